@@ -1,0 +1,51 @@
+# boxwarden developer targets. `make setup` is idempotent; every other target depends on it.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PROTO_SRC := $(wildcard proto/boxwarden_pb/v1/*.proto)
+PROTO_OUT := proto/boxwarden_pb/v1
+STAMP := $(VENV)/.setup-stamp
+
+.PHONY: setup proto proto-check lint typecheck test test-gpu bench demo wheel clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=25.1"
+	$(BIN)/python -m pip install -q --group dev -e ".[gpu]"
+	touch $(STAMP)
+
+proto: $(STAMP)
+	PATH=$(abspath $(BIN)):$$PATH $(BIN)/python -m grpc_tools.protoc -Iproto \
+	    --python_out=proto --grpc_python_out=proto --mypy_out=proto --mypy_grpc_out=proto $(PROTO_SRC)
+
+proto-check: proto
+	@git diff --exit-code --stat -- $(PROTO_OUT) || { echo "generated code drifted from proto/: run 'make proto' and commit"; exit 1; }
+	@test -z "$$(git status --porcelain --untracked-files=all -- $(PROTO_OUT))" || { echo "untracked generated files in $(PROTO_OUT): run 'make proto' and commit"; exit 1; }
+
+lint: $(STAMP)
+	$(BIN)/ruff check sidecar controller tests bench examples
+	$(BIN)/ruff format --check sidecar controller tests bench examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -m gpu --run-gpu
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+wheel: $(STAMP)
+	$(BIN)/python -m build --wheel --outdir dist .
+
+clean:
+	rm -rf dist build *.egg-info .mypy_cache .ruff_cache .pytest_cache
