@@ -42,7 +42,7 @@ bench: $(STAMP)
 	$(BIN)/python -m bench
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	bash examples/demo.sh
 
 wheel: $(STAMP)
 	$(BIN)/python -m build --wheel --outdir dist .

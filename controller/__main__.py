@@ -1,0 +1,5 @@
+"""`python -m controller` is `boxwarden`."""
+
+from controller.cli import main
+
+main()

@@ -1,0 +1,196 @@
+"""Box services: what each CLI command does, as one coroutine per command (the CLI parses and renders).
+
+They own the translation from user input to a `Box` record and from the sidecar's answers to the
+plain rows the renderer shows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller import bootstrap, gate, profiles, teardown
+from controller.client import SidecarClient
+from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
+from controller.pull import Progress, PullReport, pull
+from controller.state import Box, State
+
+NAME_CHARS = "letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)"
+
+
+def check_name(name: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
+        raise UsageError(f"box name {name!r} is not allowed: use {NAME_CHARS}")
+    return name
+
+
+def durable_dir(url: str) -> Path:
+    u = urlparse(url)
+    if u.scheme != "file" or u.netloc not in ("", "localhost") or not u.path.startswith("/"):
+        raise UsageError(f"durable URL {url!r}: this version supports file:///absolute/dir only")
+    return Path(unquote(u.path))
+
+
+@asynccontextmanager
+async def connect(box: Box) -> AsyncIterator[SidecarClient]:
+    async with SidecarClient(bootstrap.target(box)) as c:
+        yield c
+
+
+async def up(
+    state: State,
+    name: str,
+    *,
+    profile: str,
+    workdir: Path,
+    watch: Sequence[Path],
+    durable: str | None,
+    run_id: str | None,
+    roster: Sequence[str],
+) -> tuple[Box, bootstrap.UpResult]:
+    check_name(name)
+    prof = profiles.load(profile)
+    if prof["kind"] != "local":
+        raise UsageError(
+            f"profile {profile!r} is a remote platform; this version runs boxes on the local profile only"
+        )
+    if not watch:
+        raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
+    for cell in roster:
+        check_name(cell)
+    box_dir = state.box_dir(name)
+    url = durable or (box_dir / "durable").resolve().as_uri()
+    ddir = durable_dir(url)
+    ddir.mkdir(parents=True, exist_ok=True)
+    workdir = workdir.resolve()
+    watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
+    for w in watch_abs:
+        w.mkdir(parents=True, exist_ok=True)
+    old = state.find(name)
+    box = Box(
+        name=name,
+        profile=profile,
+        box_dir=str(box_dir),
+        state_dir=str(box_dir / "sidecar"),
+        socket=str(bootstrap.socket_path_for(box_dir)),
+        workdir=str(workdir),
+        watch=tuple(str(w) for w in watch_abs),
+        durable=url,
+        run_id=run_id
+        or (old.run_id if old and old.status == "up" else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
+        roster=tuple(roster) or (old.roster if old else ()),
+        pulled_dir=old.pulled_dir if old and old.status == "up" else "",
+    )
+    res = await bootstrap.up(box)
+    if not res.started and old is not None:
+        box = box.with_(
+            watch=tuple(res.hello.watch_dirs), durable=res.hello.durable_url, run_id=res.hello.run_id
+        )
+    box = box.with_(sidecar_pid=res.hello.pid, status="up")
+    state.put(box)
+    return box, res
+
+
+async def run_job(box: Box, argv: Sequence[str], cell: str) -> pb.Job:
+    async with connect(box) as c:
+        await c.hello()
+        return await c.start_job(pb.StartJobRequest(argv=list(argv), cell=cell))
+
+
+@dataclass
+class BoxStatus:
+    box: Box
+    hello: pb.HelloResponse | None
+    health: pb.HealthSnapshot | None
+    error: str = ""
+
+    def row(self) -> dict[str, object]:
+        r: dict[str, object] = {"box": self.box.name, "profile": self.box.profile, "status": self.box.status}
+        if self.hello is None or self.health is None:
+            r["sidecar"] = f"unreachable: {self.error}" if self.box.status == "up" else self.box.status
+            return r
+        a = self.health.artifacts
+        running = [j for j in self.health.jobs if j.state == pb.JOB_STATE_RUNNING]
+        watch_free = [d.free_bytes for d in self.health.disks if d.role == "watch"]
+        r.update(
+            sidecar=f"{self.hello.version} pid {self.hello.pid}",
+            jobs=f"{len(running)} running / {len(self.health.jobs)}",
+            claims=a.sealed,
+            durable=a.durable,
+            not_durable=a.not_durable_bytes,
+            push_lag=f"{a.push_lag_ms / 1000:.1f}s",
+            disk_free=min(watch_free) if watch_free else "",
+            cpu_percent=round(self.health.self.cpu_percent, 2),
+            rss_bytes=self.health.self.rss_bytes,
+        )
+        return r
+
+
+async def status(state: State, names: Sequence[str]) -> list[BoxStatus]:
+    boxes = [state.get(n) for n in names] if names else state.boxes()
+    out = []
+    for box in boxes:
+        if box.status != "up":
+            out.append(BoxStatus(box, None, None))
+            continue
+        try:
+            async with connect(box) as c:
+                hello = await c.hello(timeout_s=3.0)
+                health = await c.health_once()
+            out.append(BoxStatus(box, hello, health))
+        except ControllerError as e:
+            out.append(BoxStatus(box, None, None, error=str(e)))
+    return out
+
+
+async def artifacts(box: Box) -> pb.ListArtifactsResponse:
+    async with connect(box) as c:
+        await c.hello()
+        return await c.list_artifacts()
+
+
+async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
+    async with connect(box) as c:
+        await c.hello()
+        rep = await pull(
+            c, root=to, run_id=box.run_id, instance=box.name, roster=box.roster, progress=progress
+        )
+    state.put(box.with_(pulled_dir=str(to.resolve())))
+    return rep
+
+
+def pulled_dir(box: Box, override: Path | None) -> Path | None:
+    if override is not None:
+        return override.resolve()
+    return Path(box.pulled_dir) if box.pulled_dir else None
+
+
+async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: bool) -> gate.Verdict:
+    if box.status != "up":
+        raise StateError(f"{box.name} is already down")
+    async with connect(box) as c:
+        ev, early = await gate.gather(c, box, pulled)
+    return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)
+
+
+async def down(state: State, box: Box, verdict: gate.Verdict) -> teardown.TeardownResult:
+    async with connect(box) as c:
+        return await teardown.teardown(state, box, c, verdict)
+
+
+async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:
+    async with connect(box) as c:
+        try:
+            await c.hello()
+        except SidecarUnreachable as e:
+            raise ControllerError(f"{e}; the job logs are in {box.box_dir}/sidecar/logs") from e
+        async for chunk in c.tail_log(job_id, follow=follow):
+            yield chunk.data

@@ -1,0 +1,141 @@
+"""SidecarClient: the controller's gRPC client — and the ONE place AioRpcError becomes a ControllerError.
+
+Channels are created inside the running loop (grpc.aio requires it). Every unary call has a
+deadline; streams have none (they end when the sidecar ends them or the caller stops reading).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+from boxwarden_pb.v1 import sidecar_pb2_grpc
+
+from controller import __version__
+from controller.errors import ControllerError, SidecarRefused, SidecarUnreachable, VersionMismatch
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+MAX_MESSAGE = 8 << 20
+
+
+def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
+    code = err.code()
+    if code in UNREACHABLE:
+        return SidecarUnreachable(f"{what}: the sidecar did not answer ({code.name}: {err.details()})")
+    return SidecarRefused(f"{what}: {err.details()} ({code.name})", code.name)
+
+
+class SidecarClient:
+    def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
+        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock"."""
+        self.target = target
+        self.timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: sidecar_pb2_grpc.SidecarAsyncStub | None = None
+
+    async def __aenter__(self) -> SidecarClient:
+        self._channel = grpc.aio.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE),
+                ("grpc.max_send_message_length", MAX_MESSAGE),
+            ],
+        )
+        self._stub = sidecar_pb2_grpc.SidecarStub(self._channel)
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+    @property
+    def stub(self) -> sidecar_pb2_grpc.SidecarAsyncStub:
+        assert self._stub is not None, "use `async with SidecarClient(...)`"
+        return self._stub
+
+    async def _call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await make()
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, what) from e
+
+    async def hello(self, *, timeout_s: float | None = None, check_version: bool = True) -> pb.HelloResponse:
+        resp = await self._call(
+            "Hello", lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout_s or self.timeout_s)
+        )
+        if check_version and resp.version != __version__:
+            raise VersionMismatch(
+                f"the sidecar runs boxwarden {resp.version}, this controller is {__version__}; "
+                "run `boxwarden up` again to restart it with this version"
+            )
+        return resp
+
+    async def list_artifacts(self) -> pb.ListArtifactsResponse:
+        return await self._call(
+            "ListArtifacts",
+            lambda: self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=self.timeout_s),
+        )
+
+    async def list_jobs(self) -> pb.ListJobsResponse:
+        return await self._call(
+            "ListJobs", lambda: self.stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)
+        )
+
+    async def start_job(self, req: pb.StartJobRequest) -> pb.Job:
+        resp = await self._call("StartJob", lambda: self.stub.StartJob(req, timeout=self.timeout_s))
+        return resp.job
+
+    async def stop_job(self, job_id: str, grace_s: int = 10) -> pb.Job:
+        resp = await self._call(
+            "StopJob",
+            lambda: self.stub.StopJob(
+                pb.StopJobRequest(id=job_id, grace_s=grace_s), timeout=grace_s + self.timeout_s
+            ),
+        )
+        return resp.job
+
+    async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
+        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest)
+        return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=60))
+
+    async def shutdown(self) -> pb.ShutdownResponse:
+        return await self._call(
+            "Shutdown", lambda: self.stub.Shutdown(pb.ShutdownRequest(), timeout=self.timeout_s)
+        )
+
+    async def health_once(self) -> pb.HealthSnapshot:
+        async for snap in self._stream(
+            "WatchHealth", lambda: self.stub.WatchHealth(pb.WatchHealthRequest(once=True))
+        ):
+            return snap
+        raise SidecarUnreachable("WatchHealth: the sidecar sent no snapshot")
+
+    def read_artifact(self, path: str, offset: int, blake3: str) -> AsyncIterator[pb.ReadArtifactChunk]:
+        req = pb.ReadArtifactRequest(path=path, offset=offset, blake3=blake3)
+        return self._stream(f"ReadArtifact {path}", lambda: self.stub.ReadArtifact(req))
+
+    def watch_events(self, after_seq: int = 0, *, replay_only: bool = False) -> AsyncIterator[pb.Event]:
+        req = pb.WatchEventsRequest(after_seq=after_seq, replay_only=replay_only)
+        return self._stream("WatchEvents", lambda: self.stub.WatchEvents(req))
+
+    def tail_log(
+        self, job_id: str, offset: int = 0, *, follow: bool = False
+    ) -> AsyncIterator[pb.TailLogChunk]:
+        req = pb.TailLogRequest(job_id=job_id, offset=offset, follow=follow)
+        return self._stream("TailLog", lambda: self.stub.TailLog(req))
+
+    async def _stream(self, what: str, make: Callable[[], AsyncIterable[T]]) -> AsyncIterator[T]:
+        try:
+            async for item in make():
+                yield item
+        except grpc.aio.AioRpcError as e:
+            raise translate(e, what) from e

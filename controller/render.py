@@ -1,0 +1,200 @@
+"""Render: the only module that prints. Human text, tables and progress go to stderr; `--json`
+output is one JSON document on stdout."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+from rich.console import Console
+from rich.table import Table
+
+from controller.bootstrap import UpResult
+from controller.errors import Reason
+from controller.gate import Verdict
+from controller.pull import PullReport
+from controller.state import Box
+from controller.teardown import TeardownResult
+from controller.verify import VerifyReport
+
+JOB_STATE = {
+    pb.JOB_STATE_RUNNING: "running",
+    pb.JOB_STATE_EXITED: "exited",
+    pb.JOB_STATE_STOPPED: "stopped",
+    pb.JOB_STATE_LOST: "lost",
+}
+
+
+def _console() -> Console:
+    # Built per call so that a redirected sys.stderr (tests, pipes) is honoured.
+    return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def info(msg: str) -> None:
+    _console().print(msg)
+
+
+def error(msg: str) -> None:
+    _console().print(f"[bold red]error:[/] {msg}")
+
+
+def warn(msg: str) -> None:
+    _console().print(f"[bold yellow]warning:[/] {msg}")
+
+
+def json_out(doc: object) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    sys.stdout.flush()
+
+
+def raw_out(data: bytes) -> None:
+    sys.stdout.buffer.write(data)
+    sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def reasons(rs: Sequence[Reason]) -> None:
+    c = _console()
+    for r in rs:
+        where = f" {r.path}" if r.path else ""
+        c.print(f"  [red]{r.code}[/]{where}: {r.detail}")
+
+
+def up_result(box: Box, res: UpResult) -> None:
+    verb = "started" if res.started else "already running, left alone"
+    info(
+        f"[green]{box.name}[/]: sidecar {res.hello.version} {verb} (pid {res.hello.pid}); "
+        f"watching {', '.join(box.watch)} → {box.durable}"
+    )
+    if res.note:
+        warn(res.note)
+
+
+def job_started(job: pb.Job) -> None:
+    info(f"job [bold]{job.id}[/] started (pid {job.pid}, cell {job.cell or '-'}); log: {job.log_path}")
+
+
+def status(rows: Sequence[dict[str, object]]) -> None:
+    t = Table(title="boxes")
+    for col in (
+        "box",
+        "profile",
+        "sidecar",
+        "jobs",
+        "claims",
+        "durable",
+        "not durable",
+        "push lag",
+        "disk free",
+    ):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            *(
+                str(r.get(k, ""))
+                for k in (
+                    "box",
+                    "profile",
+                    "sidecar",
+                    "jobs",
+                    "claims",
+                    "durable",
+                    "not_durable",
+                    "push_lag",
+                    "disk_free",
+                )
+            )
+        )
+    _console().print(t)
+
+
+def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
+    t = Table(title=f"{box}: {len(listing.claims)} claims, manifest {listing.manifest_digest[:16]}…")
+    for col in ("path", "bytes", "blake3", "durable", "sealed"):
+        t.add_column(col)
+    for c in listing.claims:
+        sealed = time.strftime("%H:%M:%S", time.localtime(c.sealed_at_unix_ns / 1e9))
+        t.add_row(
+            c.path, str(c.size), c.blake3[:16] + "…", "yes" if c.durable else f"no {c.push_error}", sealed
+        )
+    _console().print(t)
+    if listing.unsealed:
+        warn("not sealed yet (being written or changed): " + ", ".join(listing.unsealed))
+
+
+@contextmanager
+def transfer_progress(total_files: int) -> Iterator[Callable[[str, int, int], None]]:
+    c = _console()
+    done: set[str] = set()
+
+    def update(path: str, got: int, size: int) -> None:
+        if got >= size and path not in done:
+            done.add(path)
+            c.print(f"  [{len(done)}/{total_files}] {path} ({human_bytes(size)})")
+
+    yield update
+
+
+def pull_report(rep: PullReport) -> None:
+    info(
+        f"pulled into {rep.root}: {len(rep.fetched)} fetched ({human_bytes(rep.bytes_fetched)}), "
+        f"{len(rep.skipped)} already present; manifest {rep.manifest.digest[:16]}…"
+    )
+    if rep.extra_local:
+        warn(
+            "files here that the box no longer claims (verify reports them EXTRA; move them away if stale): "
+            + ", ".join(rep.extra_local)
+        )
+
+
+def verify_report(rep: VerifyReport) -> None:
+    if rep.ok:
+        info(
+            f"[bold green]VERIFIED[/] {rep.root}: {rep.files} files, {human_bytes(rep.bytes)}, "
+            f"manifest {rep.manifest_digest[:16]}…; marker written: {rep.marker_path}"
+        )
+        return
+    _console().print(f"[bold red]NOT VERIFIED[/] {rep.root}: {len(rep.reasons)} problem(s)")
+    reasons(rep.reasons)
+
+
+def verdict(v: Verdict, *, dry_run: bool) -> None:
+    c = _console()
+    t = Table(title=f"down {v.box}: evidence")
+    t.add_column("check")
+    t.add_column("result")
+    t.add_column("detail")
+    for ch in v.checks:
+        t.add_row(ch.name, "[green]ok[/]" if ch.ok else "[red]FAIL[/]", ch.detail)
+    c.print(t)
+    if v.allowed:
+        tail = " (dry run: nothing was done; confirm with --confirm " + v.box + ")" if dry_run else ""
+        c.print(f"[bold green]ALLOWED[/]: {v.box} may be torn down{tail}")
+    else:
+        c.print(f"[bold red]REFUSED[/]: {v.box} must not be torn down yet:")
+        reasons(v.reasons)
+
+
+def teardown(res: TeardownResult) -> None:
+    info(
+        f"[bold]{res.box}[/]: deleted {len(res.deleted)} verified box-side copies, kept {len(res.kept)}; "
+        f"sidecar {'[green]gone[/]' if res.gone else '[red]still running[/]'}; audit record #{res.audit_id}"
+    )
+    for k in res.kept:
+        warn(f"kept on the box: {k}")
+
+
+def confirm_prompt(box: str) -> str:
+    c = _console()
+    return str(c.input(f"Type the box name ([bold]{box}[/]) to confirm teardown: ")).strip()

@@ -1,0 +1,136 @@
+"""The controller's own state: one SQLite database under $BOXWARDEN_HOME (default: the XDG state dir).
+
+It remembers each box (how to reach its sidecar, what it watches, its roster, where it was pulled)
+and keeps the teardown audit log. It never holds claims: those live on the box and are always asked
+for fresh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from controller.errors import StateError
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS boxes(name TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS teardowns(
+    id INTEGER PRIMARY KEY AUTOINCREMENT, box TEXT NOT NULL, at_ns INTEGER NOT NULL, record TEXT NOT NULL);
+"""
+
+
+def default_home(env: Mapping[str, str]) -> Path:
+    """$BOXWARDEN_HOME, else $XDG_STATE_HOME/boxwarden, else ~/.local/state/boxwarden."""
+    if env.get("BOXWARDEN_HOME"):
+        return Path(env["BOXWARDEN_HOME"]).expanduser()
+    base = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME", "~")).expanduser() / ".local" / "state")
+    return Path(base) / "boxwarden"
+
+
+@dataclass(frozen=True)
+class Box:
+    name: str
+    profile: str
+    box_dir: str
+    state_dir: str
+    socket: str
+    workdir: str
+    watch: tuple[str, ...]
+    durable: str
+    run_id: str
+    roster: tuple[str, ...] = ()
+    pulled_dir: str = ""
+    sidecar_pid: int = 0
+    status: str = "up"
+    created_at_ns: int = field(default_factory=time.time_ns)
+
+    def to_json(self) -> dict[str, object]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, object]) -> Box:
+        data: dict[str, Any] = dict(d)
+        for key in ("watch", "roster"):
+            data[key] = tuple(data.get(key) or ())
+        return cls(**data)
+
+    def with_(self, **changes: object) -> Box:
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+class State:
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        try:
+            home.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._db = sqlite3.connect(home / "state.db", isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(SCHEMA)
+        except (OSError, sqlite3.Error) as e:
+            raise StateError(f"cannot open controller state in {home}: {e}") from e
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def box_dir(self, name: str) -> Path:
+        return self.home / "boxes" / name
+
+    def put(self, box: Box) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO boxes(name, record, updated_at_ns) VALUES (?,?,?)",
+                (box.name, json.dumps(box.to_json()), time.time_ns()),
+            )
+
+    def get(self, name: str) -> Box:
+        row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            known = ", ".join(b.name for b in self.boxes()) or "none"
+            raise StateError(
+                f"no box named {name!r} (known: {known}); start one with `boxwarden up {name} ...`"
+            )
+        return Box.from_json(json.loads(row[0]))
+
+    def find(self, name: str) -> Box | None:
+        row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
+        return Box.from_json(json.loads(row[0])) if row else None
+
+    def boxes(self) -> list[Box]:
+        rows = self._db.execute("SELECT record FROM boxes ORDER BY name").fetchall()
+        return [Box.from_json(json.loads(r[0])) for r in rows]
+
+    def audit(self, box: str, record: Mapping[str, object]) -> int:
+        """Append one teardown record (who confirmed, when, evidence digest, actions, results)."""
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT INTO teardowns(box, at_ns, record) VALUES (?,?,?)",
+                (box, time.time_ns(), json.dumps(record, sort_keys=True)),
+            )
+            assert cur.lastrowid is not None
+            return cur.lastrowid
+
+    def teardowns(self, box: str | None = None) -> list[dict[str, object]]:
+        q = "SELECT id, box, at_ns, record FROM teardowns"
+        rows = self._db.execute(q + " WHERE box = ? ORDER BY id", (box,)) if box else self._db.execute(q)
+        return [{"id": r[0], "box": r[1], "at_ns": r[2], **json.loads(r[3])} for r in rows.fetchall()]
+
+
+def env_home() -> Path:
+    return default_home(os.environ)

@@ -1,0 +1,1 @@
+"""Platform profiles (TOML data files), shipped inside the wheel as package `boxwarden_profiles`."""

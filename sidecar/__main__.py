@@ -1,0 +1,41 @@
+"""`boxwarden-sidecar --config FILE`: parse arguments, load the config, run the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from sidecar import __version__, app, config
+from sidecar.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="boxwarden-sidecar",
+        description="The boxwarden on-box daemon: seals, hashes, pushes and proves every artifact.",
+    )
+    parser.add_argument(
+        "--config", required=True, type=Path, help="SidecarConfig JSON written by the controller"
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument("--version", action="version", version=f"boxwarden-sidecar {__version__}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        settings = config.load(args.config)
+        asyncio.run(app.run(settings))
+    except ConfigError as e:
+        print(f"boxwarden-sidecar: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

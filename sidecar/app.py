@@ -1,0 +1,216 @@
+"""The daemon: builds every part on one asyncio loop, supervises the workers, shuts down in order.
+
+Order on SIGTERM / SIGINT / the Shutdown RPC: stop the server (grace for in-flight calls) → cancel
+the workers → stop and join the watcher off-loop → close the sealer and job waiters → close the
+ledger → shut the executor down. Jobs are never killed by a sidecar shutdown: they outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO
+
+import grpc
+from boxwarden_pb.v1 import sidecar_pb2_grpc
+
+from sidecar import __version__
+from sidecar.bell import Bell
+from sidecar.config import Settings
+from sidecar.errors import ConfigError
+from sidecar.health import HealthHub
+from sidecar.jobs import JobSupervisor
+from sidecar.ledger import Ledger
+from sidecar.paths import ArtifactNamer
+from sidecar.sealer import Sealer
+from sidecar.server import Parts, SidecarService
+from sidecar.storage import open_store
+from sidecar.watcher import Watcher
+
+logger = logging.getLogger(__name__)
+
+PUSH_RETRY_S = (1.0, 2.0, 5.0, 15.0, 30.0)
+MAX_MESSAGE = 8 << 20
+
+
+async def supervise(name: str, work: Callable[[], Awaitable[None]]) -> None:
+    """Run a worker forever; an exception is logged with its traceback, then it restarts with backoff."""
+    delay = 0.5
+    while True:
+        started = time.monotonic()
+        try:
+            await work()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("worker %s failed; restarting in %.1fs", name, delay)
+        if time.monotonic() - started > 60:
+            delay = 0.5
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
+def _private_dir(d: Path) -> None:
+    """Create d 0700, or accept an existing d only if nobody else can enter it (never chmod a shared dir)."""
+    if not d.exists():
+        d.mkdir(parents=True, mode=0o700)
+        d.chmod(0o700)
+        return
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(
+            f"{d} must be a directory of our own with mode 0700 (it is {stat.filemode(st.st_mode)}, "
+            f"uid {st.st_uid}): the socket and ledger live there"
+        )
+
+
+def _prepare_dirs(s: Settings) -> None:
+    for d in (s.state_dir, s.log_dir, s.socket_path.parent):
+        _private_dir(d)
+
+
+def _lock_state(s: Settings) -> IO[str]:
+    """One sidecar per state dir: the ledger has exactly one writer."""
+    f = open(s.state_dir / "sidecar.lock", "a+")  # noqa: SIM115 - held for the process lifetime
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        pid = s.pid_path.read_text().strip() if s.pid_path.exists() else "?"
+        raise ConfigError(f"another sidecar already runs with state dir {s.state_dir} (pid {pid})") from None
+    return f
+
+
+def _write_pid(path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)
+
+
+def _remove_stale_socket(path: Path) -> None:
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+async def run(s: Settings) -> None:
+    _prepare_dirs(s)
+    lock = _lock_state(s)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    ledger = Ledger(s.ledger_path)
+    journal = Bell()
+    ledger.add_event("SIDECAR_STARTED", detail=f"version {__version__} pid {os.getpid()}")
+    store = open_store(s.durable_url)
+    leftovers = store.clean_tmp()
+    if leftovers:
+        logger.info("removed %d leftover durable temp files from an earlier run", leftovers)
+    executor = ThreadPoolExecutor(max_workers=s.hash_workers, thread_name_prefix="hash")
+
+    def emit(kind: str, job_id: str, detail: str) -> None:
+        ledger.add_event(kind, job_id=job_id, detail=detail)
+        journal.ring()
+
+    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit)
+    await jobs.recover()
+    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns)
+    sealer = Sealer(
+        namer=namer, ledger=ledger, store=store, executor=executor, settle_s=s.settle_s, notify=journal.ring
+    )
+    watcher = Watcher(s.watch_dirs, loop)
+    watcher.start()  # before the first rescan, so nothing written in between is missed
+    disk_paths = [(d, "watch") for d in s.watch_dirs] + [
+        (store.path_for_usage(), "durable"),
+        (s.state_dir, "state"),
+    ]
+    health = HealthHub(paths=disk_paths, ledger=ledger, jobs=jobs, notify=journal.ring)
+
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+        ]
+    )
+    parts = Parts(
+        settings=s,
+        ledger=ledger,
+        namer=namer,
+        sealer=sealer,
+        jobs=jobs,
+        health=health,
+        journal=journal,
+        started_at_ns=time.time_ns(),
+        request_shutdown=stop.set,
+    )
+    sidecar_pb2_grpc.add_SidecarServicer_to_server(SidecarService(parts), server)  # type: ignore[arg-type]
+    _remove_stale_socket(s.socket_path)
+    old_umask = os.umask(0o177)
+    try:
+        server.add_insecure_port(f"unix:{s.socket_path}")
+        await server.start()
+    finally:
+        os.umask(old_umask)
+    s.socket_path.chmod(0o600)
+    _write_pid(s.pid_path)
+
+    async def consume() -> None:
+        while True:
+            sealer.on_change(await watcher.queue.get())
+
+    async def rescans() -> None:
+        while True:
+            await sealer.rescan()
+            await asyncio.sleep(s.rescan_s)
+
+    async def pushes() -> None:
+        attempt = 0
+        while True:
+            pending = len(ledger.not_durable())
+            if pending:
+                await sealer.push_pending()
+                attempt = min(attempt + 1, len(PUSH_RETRY_S) - 1) if ledger.not_durable() else 0
+            await asyncio.sleep(PUSH_RETRY_S[attempt])
+
+    workers = [
+        loop.create_task(supervise(name, fn))
+        for name, fn in (
+            ("watcher", consume),
+            ("rescan", rescans),
+            ("push-retry", pushes),
+            ("health", lambda: health.run(s.health_interval_s)),
+        )
+    ]
+    logger.info("sidecar %s serving on unix:%s (pid %d)", __version__, s.socket_path, os.getpid())
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down")
+        await server.stop(grace=2.0)
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+        watcher.stop()
+        await loop.run_in_executor(None, watcher.join)
+        await sealer.close()
+        await jobs.close()
+        ledger.close()
+        executor.shutdown(wait=True, cancel_futures=True)
+        with contextlib.suppress(FileNotFoundError):
+            s.pid_path.unlink()
+        _remove_stale_socket(s.socket_path)
+        lock.close()

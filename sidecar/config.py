@@ -1,0 +1,112 @@
+"""Settings: the typed, frozen configuration of one sidecar, built once from the SidecarConfig JSON.
+
+The controller writes the config as a `boxwarden_pb.v1.SidecarConfig` in the proto3 JSON mapping;
+this module is the only place that reads it. Nothing here reads the environment.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+from google.protobuf import json_format
+
+from sidecar.errors import ConfigError
+
+DEFAULT_TEMP_PATTERNS = ("*.tmp", "*.part", ".*")
+BOX_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# sun_path is 108 bytes including the NUL; stay clear of it.
+MAX_SOCKET_PATH = 104
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    box_name: str
+    profile: str
+    state_dir: Path
+    socket_path: Path
+    watch_dirs: tuple[Path, ...]
+    durable_url: str
+    temp_patterns: tuple[str, ...] = DEFAULT_TEMP_PATTERNS
+    settle_s: float = 0.2
+    health_interval_s: float = 1.0
+    hash_workers: int = 2
+    run_id: str = ""
+    workdir: Path | None = None
+    rescan_s: float = 10.0
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.state_dir / "ledger.sqlite"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def pid_path(self) -> Path:
+        return self.state_dir / "sidecar.pid"
+
+    @property
+    def job_cwd(self) -> Path:
+        return self.workdir or self.state_dir
+
+
+def load(path: Path) -> Settings:
+    """Read and validate a SidecarConfig JSON file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path}: {e.strerror}") from e
+    msg = pb.SidecarConfig()
+    try:
+        json_format.Parse(text, msg)
+    except json_format.ParseError as e:
+        raise ConfigError(f"config {path} is not a valid SidecarConfig: {e}") from e
+    return from_message(msg, source=str(path))
+
+
+def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
+    def fail(field: str, why: str) -> ConfigError:
+        return ConfigError(f"{source}: field {field}: {why}")
+
+    if not BOX_NAME_RE.match(msg.box_name):
+        raise fail("box_name", f"{msg.box_name!r} must match {BOX_NAME_RE.pattern}")
+    for name, value in (("state_dir", msg.state_dir), ("socket_path", msg.socket_path)):
+        if not value or not Path(value).is_absolute():
+            raise fail(name, f"must be an absolute path, got {value!r}")
+    if len(msg.socket_path.encode()) > MAX_SOCKET_PATH:
+        raise fail("socket_path", f"longer than {MAX_SOCKET_PATH} bytes (a Unix socket path limit)")
+    if not msg.watch_dirs:
+        raise fail("watch_dirs", "at least one directory to watch is required")
+    watch = tuple(Path(d) for d in msg.watch_dirs)
+    for d in watch:
+        if not d.is_absolute():
+            raise fail("watch_dirs", f"{str(d)!r} is not absolute")
+        if not d.is_dir():
+            raise fail("watch_dirs", f"{d} is not a directory (create it first)")
+    if len(watch) > 1 and len({d.name for d in watch}) != len(watch):
+        raise fail(
+            "watch_dirs", "several watched directories must have distinct names (paths are prefixed by them)"
+        )
+    if not msg.durable_url:
+        raise fail("durable_url", "a durable storage URL is required (e.g. file:///mnt/durable)")
+    if msg.workdir and not Path(msg.workdir).is_absolute():
+        raise fail("workdir", f"{msg.workdir!r} is not absolute")
+    return Settings(
+        box_name=msg.box_name,
+        profile=msg.profile or "local",
+        state_dir=Path(msg.state_dir),
+        socket_path=Path(msg.socket_path),
+        watch_dirs=tuple(d.resolve() for d in watch),
+        durable_url=msg.durable_url,
+        temp_patterns=tuple(msg.temp_patterns) or DEFAULT_TEMP_PATTERNS,
+        settle_s=(msg.settle_ms or 200) / 1000,
+        health_interval_s=(msg.health_interval_ms or 1000) / 1000,
+        hash_workers=msg.hash_workers or 2,
+        run_id=msg.run_id,
+        workdir=Path(msg.workdir) if msg.workdir else None,
+        rescan_s=(msg.rescan_ms or 10000) / 1000,
+    )

@@ -1,0 +1,227 @@
+"""Ledger: the sidecar's crash-safe record of claims, the event journal and the jobs (SQLite, WAL).
+
+Invariants this module keeps (each in ONE transaction):
+- at most one *current* claim per artifact path; a claim whose file changed is superseded by a new
+  claim, never edited;
+- every claim is created together with its ARTIFACT_SEALED event, whose seq it carries;
+- a claim is marked durable only while it is still current.
+`synchronous=FULL`: the claim that supersedes an old one must be on disk before the new bytes are
+renamed over the old durable copy, or a power cut could leave a durable claim naming wrong bytes.
+The connection is used from the event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sidecar.identity import FileIdentity
+from sidecar.jobs import JobRecord
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS events(
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    at_ns INTEGER NOT NULL, kind TEXT NOT NULL, path TEXT NOT NULL DEFAULT '',
+    job_id TEXT NOT NULL DEFAULT '', detail TEXT NOT NULL DEFAULT '',
+    size INTEGER NOT NULL DEFAULT 0, blake3 TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS claims(
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    path TEXT NOT NULL, size INTEGER NOT NULL, blake3 TEXT NOT NULL,
+    dev INTEGER NOT NULL, ino INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
+    sealed_at_ns INTEGER NOT NULL, seq INTEGER NOT NULL,
+    current INTEGER NOT NULL DEFAULT 1,
+    durable INTEGER NOT NULL DEFAULT 0, durable_at_ns INTEGER NOT NULL DEFAULT 0,
+    push_error TEXT NOT NULL DEFAULT '', ended_reason TEXT NOT NULL DEFAULT '');
+CREATE UNIQUE INDEX IF NOT EXISTS claims_one_current ON claims(path) WHERE current = 1;
+CREATE TABLE IF NOT EXISTS jobs(id TEXT PRIMARY KEY, record TEXT NOT NULL);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimRow:
+    id: int
+    path: str
+    size: int
+    blake3: str
+    identity: FileIdentity
+    sealed_at_ns: int
+    seq: int
+    durable: bool
+    durable_at_ns: int
+    push_error: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventRow:
+    seq: int
+    at_ns: int
+    kind: str
+    path: str
+    job_id: str
+    detail: str
+    size: int
+    blake3: str
+
+
+class Ledger:
+    def __init__(self, path: Path) -> None:
+        self._db = sqlite3.connect(path, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def _event(
+        self,
+        db: sqlite3.Connection,
+        kind: str,
+        *,
+        path: str = "",
+        job_id: str = "",
+        detail: str = "",
+        size: int = 0,
+        blake3: str = "",
+    ) -> int:
+        cur = db.execute(
+            "INSERT INTO events(at_ns, kind, path, job_id, detail, size, blake3) VALUES (?,?,?,?,?,?,?)",
+            (time.time_ns(), kind, path, job_id, detail, size, blake3),
+        )
+        assert cur.lastrowid is not None
+        return cur.lastrowid
+
+    def add_event(self, kind: str, *, path: str = "", job_id: str = "", detail: str = "") -> int:
+        with self._tx() as db:
+            return self._event(db, kind, path=path, job_id=job_id, detail=detail)
+
+    def events_after(self, seq: int, limit: int = 1000) -> list[EventRow]:
+        rows = self._db.execute(
+            "SELECT * FROM events WHERE seq > ? ORDER BY seq LIMIT ?", (seq, limit)
+        ).fetchall()
+        return [EventRow(**dict(r)) for r in rows]
+
+    def last_seq(self) -> int:
+        row = self._db.execute("SELECT MAX(seq) FROM events").fetchone()
+        return int(row[0] or 0)
+
+    # -- claims ---------------------------------------------------------------------------------
+
+    def add_claim(self, path: str, size: int, blake3: str, ident: FileIdentity) -> ClaimRow:
+        """Record a new current claim, superseding the previous one for the same path."""
+        now = time.time_ns()
+        with self._tx() as db:
+            db.execute(
+                "UPDATE claims SET current = 0, ended_reason = 'superseded' WHERE path = ? AND current = 1",
+                (path,),
+            )
+            seq = self._event(db, "ARTIFACT_SEALED", path=path, size=size, blake3=blake3)
+            db.execute(
+                "INSERT INTO claims(path, size, blake3, dev, ino, mtime_ns, sealed_at_ns, seq)"
+                " VALUES (?,?,?,?,?,?,?,?)",
+                (path, size, blake3, ident.dev, ident.ino, ident.mtime_ns, now, seq),
+            )
+        claim = self.current(path)
+        assert claim is not None
+        return claim
+
+    def mark_durable(self, claim_id: int) -> bool:
+        """Mark a claim durable; False (and nothing changes) if it is no longer current."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT path, durable FROM claims WHERE id = ? AND current = 1", (claim_id,)
+            ).fetchone()
+            if row is None:
+                return False
+            if row["durable"]:
+                return True
+            db.execute(
+                "UPDATE claims SET durable = 1, durable_at_ns = ?, push_error = '' WHERE id = ?",
+                (time.time_ns(), claim_id),
+            )
+            self._event(db, "ARTIFACT_DURABLE", path=row["path"])
+            return True
+
+    def mark_push_failed(self, claim_id: int, error: str) -> None:
+        with self._tx() as db:
+            row = db.execute("SELECT path FROM claims WHERE id = ? AND current = 1", (claim_id,)).fetchone()
+            if row is None:
+                return
+            db.execute("UPDATE claims SET push_error = ? WHERE id = ?", (error, claim_id))
+            self._event(db, "PUSH_FAILED", path=row["path"], detail=error)
+
+    def end_claim(self, path: str, reason: str, event: str) -> bool:
+        """The claimed file left the box (deleted, renamed away, released): its claim is no longer current."""
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE claims SET current = 0, ended_reason = ? WHERE path = ? AND current = 1",
+                (reason, path),
+            )
+            if cur.rowcount == 0:
+                return False
+            self._event(db, event, path=path, detail=reason)
+            return True
+
+    def current(self, path: str) -> ClaimRow | None:
+        row = self._db.execute("SELECT * FROM claims WHERE path = ? AND current = 1", (path,)).fetchone()
+        return _claim(row) if row else None
+
+    def current_claims(self) -> list[ClaimRow]:
+        rows = self._db.execute("SELECT * FROM claims WHERE current = 1 ORDER BY path").fetchall()
+        return sorted((_claim(r) for r in rows), key=lambda c: c.path.encode())
+
+    def not_durable(self) -> list[ClaimRow]:
+        rows = self._db.execute(
+            "SELECT * FROM claims WHERE current = 1 AND durable = 0 ORDER BY sealed_at_ns DESC"
+        ).fetchall()
+        return [_claim(r) for r in rows]
+
+    # -- jobs (implements sidecar.jobs.JobStore) -------------------------------------------------
+
+    def save_job(self, job: JobRecord) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO jobs(id, record) VALUES (?, ?)",
+                (job.id, json.dumps(dataclasses.asdict(job))),
+            )
+
+    def load_jobs(self) -> list[JobRecord]:
+        rows = self._db.execute("SELECT record FROM jobs").fetchall()
+        return [JobRecord(**json.loads(r["record"])) for r in rows]
+
+
+def _claim(row: sqlite3.Row) -> ClaimRow:
+    return ClaimRow(
+        id=row["id"],
+        path=row["path"],
+        size=row["size"],
+        blake3=row["blake3"],
+        identity=FileIdentity(dev=row["dev"], ino=row["ino"], size=row["size"], mtime_ns=row["mtime_ns"]),
+        sealed_at_ns=row["sealed_at_ns"],
+        seq=row["seq"],
+        durable=bool(row["durable"]),
+        durable_at_ns=row["durable_at_ns"],
+        push_error=row["push_error"],
+    )

@@ -1,0 +1,128 @@
+"""A real sidecar process on a real Unix socket, for the sidecar's own tests (sync gRPC client)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+from boxwarden_pb.v1 import sidecar_pb2_grpc
+from google.protobuf import json_format
+
+from tests.conftest import REPO, pid_alive, wait_until
+
+
+@dataclass
+class Daemon:
+    root: Path
+    watch: Path
+    durable: Path
+    state: Path
+    socket: Path
+    config: Path
+    proc: subprocess.Popen[bytes] | None = None
+    channel: grpc.Channel | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def stub(self) -> sidecar_pb2_grpc.SidecarStub:
+        assert self.channel is not None
+        return sidecar_pb2_grpc.SidecarStub(self.channel)
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+        with open(self.root / "sidecar.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sidecar", "--config", str(self.config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        self.channel = grpc.insecure_channel(f"unix:{self.socket}")
+        wait_until(self._answers, timeout=30, what="the sidecar's Hello")
+
+    def _answers(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise AssertionError(
+                f"sidecar exited {self.proc.returncode}: {(self.root / 'sidecar.log').read_text()}"
+            )
+        try:
+            self.stub.Hello(pb.HelloRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+        return True
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+            self.proc = None
+
+    def claims(self) -> list[pb.Claim]:
+        return list(self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10).claims)
+
+    def wait_durable(self, count: int, timeout: float = 60) -> list[pb.Claim]:
+        def ok() -> list[pb.Claim] | None:
+            cs = self.claims()
+            return cs if len(cs) == count and all(c.durable for c in cs) else None
+
+        return list(wait_until(ok, timeout=timeout, what=f"{count} durable claims"))
+
+    def events(self, after: int = 0) -> list[pb.Event]:
+        return list(
+            self.stub.WatchEvents(pb.WatchEventsRequest(after_seq=after, replay_only=True), timeout=10)
+        )
+
+
+def make_daemon(root: Path, **cfg: object) -> Daemon:
+    watch, durable, state = root / "watch", root / "durable", root / "state"
+    watch.mkdir(parents=True, exist_ok=True)
+    durable.mkdir(exist_ok=True)
+    # A short, private socket dir of its own (sun_path is ~107 bytes; tmp_path can be longer).
+    sock = Path(tempfile.mkdtemp(prefix="bwt-", dir="/tmp")) / "s.sock"
+    msg = pb.SidecarConfig(
+        box_name="t1",
+        profile="local",
+        state_dir=str(state),
+        socket_path=str(sock),
+        watch_dirs=[str(watch)],
+        durable_url=durable.as_uri(),
+        settle_ms=50,
+        health_interval_ms=200,
+        rescan_ms=1000,
+    )
+    for k, v in cfg.items():
+        setattr(msg, k, v)
+    config = root / "sidecar.json"
+    config.write_text(json_format.MessageToJson(msg))
+    return Daemon(root=root, watch=watch, durable=durable, state=state, socket=sock, config=config)
+
+
+@contextlib.contextmanager
+def running(root: Path, **cfg: object) -> Iterator[Daemon]:
+    d = make_daemon(root, **cfg)
+    d.start()
+    try:
+        yield d
+    finally:
+        d.kill(signal.SIGTERM)
+        with contextlib.suppress(OSError):
+            d.socket.parent.rmdir()
+
+
+__all__ = ["Daemon", "make_daemon", "pid_alive", "running"]

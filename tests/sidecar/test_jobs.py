@@ -1,0 +1,367 @@
+"""JobSupervisor against real processes and real /proc: start, exit codes, stop, groups, recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from sidecar.errors import NotFoundError, PreconditionError
+from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
+
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 15.0
+
+
+class MemoryStore:
+    """The JobStore protocol in a dict; the ledger does the same durably."""
+
+    def __init__(self, jobs: list[JobRecord] | None = None) -> None:
+        self.saved: dict[str, JobRecord] = {j.id: j for j in jobs or []}
+
+    def save_job(self, job: JobRecord) -> None:
+        self.saved[job.id] = job
+
+    def load_jobs(self) -> list[JobRecord]:
+        return list(self.saved.values())
+
+
+class Events:
+    """Collects emitted events; lets a test await one with a deadline."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str, str]] = []
+        self._changed = asyncio.Event()
+
+    def __call__(self, kind: str, job_id: str, detail: str) -> None:
+        self.items.append((kind, job_id, detail))
+        self._changed.set()
+
+    def of(self, job_id: str) -> list[tuple[str, str]]:
+        return [(k, d) for k, j, d in self.items if j == job_id]
+
+    async def wait(self, kind: str, job_id: str, timeout: float = DEADLINE_S) -> str:
+        async with asyncio.timeout(timeout):
+            while True:
+                for k, j, d in self.items:
+                    if k == kind and j == job_id:
+                        return d
+                self._changed.clear()
+                await self._changed.wait()
+
+
+async def until(what: str, predicate: Callable[[], bool], timeout: float = DEADLINE_S) -> None:
+    """Await a condition (a file's content, typically) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def wait_gone(pid: int, timeout: float = DEADLINE_S) -> None:
+    """Await the end of any process (zombies count as ended) through a pidfd."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    loop = asyncio.get_running_loop()
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not ended.done():
+            ended.set_result(None)
+
+    loop.add_reader(fd, readable)
+    try:
+        await asyncio.wait_for(ended, timeout)
+    finally:
+        loop.remove_reader(fd)
+        os.close(fd)
+
+
+def start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat, parsed independently of the code under test."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return int(text.rsplit(")", 1)[1].split()[19])
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return text.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+# pidfd readiness is the normal path; polling is the fallback where pidfds are unavailable.
+WATCH_MODES = pytest.mark.parametrize("use_pidfd", [True, False], ids=["pidfd", "polling"])
+
+Body = Callable[[JobSupervisor, Events], Awaitable[None]]
+
+
+def run_supervised(
+    tmp_path: Path, body: Body, store: MemoryStore | None = None, *, use_pidfd: bool = True
+) -> None:
+    async def main() -> None:
+        events = Events()
+        sup = JobSupervisor(store or MemoryStore(), tmp_path / "logs", tmp_path, events, use_pidfd=use_pidfd)
+        try:
+            await body(sup, events)
+        finally:
+            for job in sup.running():  # a failed test must not leak processes
+                await sup.stop(job.id, grace_s=0)
+            await sup.close()
+
+    asyncio.run(main())
+
+
+def record(job_id: str, pid: int, ticks: int, state: str = "running") -> JobRecord:
+    return JobRecord(
+        id=job_id,
+        cell="c1",
+        argv=["trainer"],
+        cwd="/",
+        env={},
+        pid=pid,
+        pgid=pid,
+        state=state,
+        exit_code=None,
+        started_at_ns=time.time_ns(),
+        ended_at_ns=None,
+        log_path="/dev/null",
+        proc_start_ticks=ticks,
+    )
+
+
+@WATCH_MODES
+def test_exit_code_log_and_events(tmp_path: Path, use_pidfd: bool) -> None:
+    store = MemoryStore()
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        job = await sup.start(py("print('hi'); import sys; sys.exit(3)"), cell="lr-1e-3")
+        assert job.state == "running"
+        assert job.pgid == job.pid != os.getpgrp()
+        assert job.proc_start_ticks > 0
+        assert await events.wait(JOB_EXITED, job.id) == "3"
+        done = sup.get(job.id)
+        assert (done.state, done.exit_code, done.cell) == ("exited", 3, "lr-1e-3")
+        assert done.ended_at_ns is not None and done.ended_at_ns >= done.started_at_ns
+        assert events.of(job.id)[0][0] == JOB_STARTED
+        assert store.saved[job.id] == done
+        log = sup.log_path(job.id)
+        assert log.read_text() == "hi\n"
+        assert stat.S_IMODE(log.stat().st_mode) == 0o600
+        assert sup.log_size(job.id) == 3
+        assert sup.running() == []
+
+    run_supervised(tmp_path, body, store, use_pidfd=use_pidfd)
+
+
+def test_cwd_env_and_listing(tmp_path: Path) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        first = await sup.start(
+            py("import os; print(os.getcwd(), os.environ['BW_X'])"), cwd=workdir, env={"BW_X": "42"}
+        )
+        second = await sup.start(py("pass"))
+        await events.wait(JOB_EXITED, first.id)
+        await events.wait(JOB_EXITED, second.id)
+        assert sup.log_path(first.id).read_text() == f"{workdir} 42\n"
+        assert first.env == {"BW_X": "42"}  # the inherited environment is not recorded
+        assert first.cwd == str(workdir) and second.cwd == str(tmp_path)
+        assert [j.id for j in sup.jobs()] == [second.id, first.id]
+        with pytest.raises(NotFoundError):
+            sup.get("j-nope")
+
+    run_supervised(tmp_path, body)
+
+
+def test_stop_sends_sigterm_to_the_group(tmp_path: Path) -> None:
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        job = await sup.start(py("import time; time.sleep(60)"))
+        assert os.getpgid(job.pid) == job.pid == os.getsid(job.pid)
+        assert os.getpgid(job.pid) != os.getpgrp()
+        assert [j.id for j in sup.running()] == [job.id]
+        stopped = await sup.stop(job.id, grace_s=10)
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+        assert await events.wait(JOB_EXITED, job.id) == "-15"
+        assert await sup.stop(job.id) == stopped  # already ended: unchanged
+        with pytest.raises(NotFoundError):
+            await sup.stop("j-nope")
+
+    run_supervised(tmp_path, body)
+
+
+@WATCH_MODES
+def test_stop_kills_a_job_that_ignores_sigterm_after_the_grace(tmp_path: Path, use_pidfd: bool) -> None:
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        job = await sup.start(
+            py("""
+                import signal, time
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                print("ready", flush=True)
+                time.sleep(60)
+            """)
+        )
+        await until("the ready line", lambda: "ready" in sup.log_path(job.id).read_text())
+        t0 = time.monotonic()
+        stopped = await sup.stop(job.id, grace_s=0.5)
+        assert time.monotonic() - t0 >= 0.5
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGKILL)
+        assert await events.wait(JOB_EXITED, job.id) == "-9"
+
+    run_supervised(tmp_path, body, use_pidfd=use_pidfd)
+
+
+def test_stop_kills_children_in_the_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        job = await sup.start(
+            py(f"""
+                import os, subprocess, sys, time
+                child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+                with open({str(pid_file)!r} + ".tmp", "w") as f:
+                    f.write(str(child.pid))
+                os.rename({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
+                time.sleep(60)
+            """)
+        )
+        await until("the child's pid file", pid_file.exists)
+        child = int(pid_file.read_text())
+        assert os.getpgid(child) == job.pgid
+        stopped = await sup.stop(job.id, grace_s=5)
+        assert stopped.state == "stopped"
+        await wait_gone(child)
+        assert not is_alive(child)
+
+    run_supervised(tmp_path, body)
+
+
+def test_start_preconditions(tmp_path: Path) -> None:
+    script = tmp_path / "not-executable.sh"
+    script.write_text("#!/bin/sh\n")
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        with pytest.raises(PreconditionError, match="not found on the job's PATH"):
+            await sup.start(["boxwarden-no-such-program"])
+        with pytest.raises(PreconditionError, match="not an existing directory"):
+            await sup.start([sys.executable, "-V"], cwd=tmp_path / "missing")
+        with pytest.raises(PreconditionError, match="argv is empty"):
+            await sup.start([])
+        with pytest.raises(PreconditionError, match="not an executable file"):
+            await sup.start(["./not-executable.sh"])
+        assert sup.jobs() == [] and events.items == []
+
+    run_supervised(tmp_path, body)
+
+
+@WATCH_MODES
+def test_recover_watches_a_live_job_until_it_is_lost(tmp_path: Path, use_pidfd: bool) -> None:
+    with subprocess.Popen(py("import time; time.sleep(60)"), start_new_session=True) as proc:
+        store = MemoryStore([record("jlive", proc.pid, start_ticks(proc.pid))])
+
+        async def body(sup: JobSupervisor, events: Events) -> None:
+            await sup.recover()
+            assert sup.get("jlive").state == "running"
+            assert events.items == []
+            proc.kill()
+            assert await events.wait(JOB_EXITED, "jlive") == "lost"
+            lost = sup.get("jlive")
+            assert (lost.state, lost.exit_code) == ("lost", None)
+            assert lost.ended_at_ns is not None
+            assert store.saved["jlive"] == lost
+
+        run_supervised(tmp_path, body, store, use_pidfd=use_pidfd)
+
+
+def test_recover_marks_dead_and_reused_pids_lost(tmp_path: Path) -> None:
+    with subprocess.Popen(py("pass")) as dead:
+        pass  # exited and reaped: its pid names no process now
+    with subprocess.Popen(py("import time; time.sleep(60)"), start_new_session=True) as other:
+        ended = dataclasses.replace(record("jold", 1, 1, state="exited"), exit_code=0, ended_at_ns=1)
+        store = MemoryStore(
+            [
+                record("jdead", dead.pid, 12345),
+                record("jreused", other.pid, start_ticks(other.pid) + 1),
+                ended,
+            ]
+        )
+
+        async def body(sup: JobSupervisor, events: Events) -> None:
+            await sup.recover()
+            for job_id in ("jdead", "jreused"):
+                assert sup.get(job_id).state == "lost"
+                assert store.saved[job_id].state == "lost"
+                assert events.of(job_id) == [(JOB_EXITED, "lost")]
+            assert sup.get("jold") == ended
+            assert sup.running() == []
+            assert other.poll() is None  # a PID that is not our job's is never signalled
+
+        try:
+            run_supervised(tmp_path, body, store)
+        finally:
+            other.kill()
+
+
+SIDECAR_RUN = """
+import asyncio, dataclasses, json, sys
+from pathlib import Path
+from sidecar.jobs import JobSupervisor
+
+class Store:
+    def save_job(self, job): self.job = job
+    def load_jobs(self): return []
+
+async def main():
+    store, state = Store(), Path(sys.argv[1])
+    sup = JobSupervisor(store, state, state, lambda *event: None)
+    await sup.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    await sup.close()
+    print(json.dumps(dataclasses.asdict(store.job)))
+
+asyncio.run(main())
+"""
+
+
+def test_jobs_survive_a_sidecar_restart_and_can_be_stopped_after_it(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", SIDECAR_RUN, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        check=True,
+        text=True,
+    )
+    job = JobRecord(**json.loads(out.stdout))
+    # The first sidecar has exited; its job still runs, and its PID still names it.
+    assert is_alive(job.pid) and start_ticks(job.pid) == job.proc_start_ticks
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        await sup.recover()
+        assert sup.get(job.id).state == "running"
+        stopped = await sup.stop(job.id, grace_s=5)
+        # Not our child any more: we know we ended it, not with which status.
+        assert (stopped.state, stopped.exit_code) == ("stopped", None)
+        assert await events.wait(JOB_EXITED, job.id) == "stopped"
+        await wait_gone(job.pid)
+
+    run_supervised(tmp_path, body, MemoryStore([job]))

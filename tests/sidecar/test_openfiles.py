@@ -1,0 +1,113 @@
+"""open_for_write against real processes holding real files open."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from sidecar.openfiles import open_for_write
+
+REPO = Path(__file__).resolve().parents[2]
+
+HOLDER = """
+import sys
+f = open(sys.argv[1], sys.argv[2])
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def held_open(path: Path, mode: str) -> Iterator[int]:
+    """Another process holds `path` open in `mode` until the block ends; yields its pid."""
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path), mode],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        try:
+            yield proc.pid
+        finally:
+            proc.stdin.close()  # EOF: the holder exits
+            proc.wait()
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    return d
+
+
+@pytest.mark.parametrize(("mode", "reported"), [("wb", True), ("ab", True), ("r+b", True), ("rb", False)])
+def test_reports_files_open_for_write_by_another_process(root: Path, mode: str, reported: bool) -> None:
+    target = root / "step-100.pt"
+    target.write_bytes(b"x")
+    with held_open(target, mode):
+        scan = open_for_write([root])
+        assert (target in scan.paths) is reported
+    assert target not in open_for_write([root]).paths  # the holder has exited
+
+
+def test_ignores_files_outside_the_roots(tmp_path: Path, root: Path) -> None:
+    # ckpt2/ shares a string prefix with ckpt/ but is not under it.
+    for outside in (tmp_path / "elsewhere.pt", tmp_path / "ckpt2" / "a.pt"):
+        outside.parent.mkdir(exist_ok=True)
+        with held_open(outside, "wb"):
+            assert outside not in open_for_write([root]).paths
+            assert outside in open_for_write([outside.parent]).paths
+
+
+def test_own_process_is_reported_unless_excluded(root: Path) -> None:
+    target = root / "nested" / "metrics.jsonl"
+    target.parent.mkdir()
+    with open(target, "wb"):
+        assert target in open_for_write([root]).paths
+        assert target not in open_for_write([root], exclude_pids=[os.getpid()]).paths
+
+
+def test_deleted_files_are_skipped(root: Path) -> None:
+    target = root / "gone.pt"
+    with open(target, "wb"):
+        target.unlink()
+        assert open_for_write([root]).paths == frozenset()
+
+
+def test_answers_in_the_callers_spelling_of_a_symlinked_root(tmp_path: Path, root: Path) -> None:
+    link = tmp_path / "workspace"
+    link.symlink_to(root)
+    target = root / "step-1.pt"
+    with held_open(target, "wb"):
+        assert open_for_write([link]).paths == {link / "step-1.pt"}
+
+
+SCAN_AS_NOBODY = """
+import os, sys
+from sidecar.openfiles import open_for_write
+os.setgid(65534)
+os.setuid(65534)
+print(open_for_write([sys.argv[1]]).unreadable_pids)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to drop to another user")
+def test_counts_processes_it_may_not_inspect(root: Path) -> None:
+    # Imported as root, scanning as nobody: at least this test process becomes unreadable.
+    out = subprocess.run(
+        [sys.executable, "-c", SCAN_AS_NOBODY, str(root)],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    # Root may be refused too (a sandbox's protected init is), but never for its own processes.
+    assert int(out.stdout) > open_for_write([root]).unreadable_pids
