@@ -110,9 +110,9 @@ async def up(box: Box) -> UpResult:
     while time.monotonic() < deadline:
         code = proc.poll()
         if code is not None:
-            log = _tail(box_dir / "sidecar.log")
+            tail = _tail(box_dir / "sidecar.log")
             raise ControllerError(
-                f"the sidecar exited with status {code} while starting; its log says:\n{log}"
+                f"the sidecar exited with status {code} while starting; its log says:\n{tail}"
             )
         hello = await _hello(box, timeout_s=1.0)
         if hello is not None:
@@ -121,9 +121,9 @@ async def up(box: Box) -> UpResult:
             return UpResult(hello=hello, started=True)
         await asyncio.sleep(0.1)
     proc.terminate()
-    log = _tail(box_dir / "sidecar.log")
+    tail = _tail(box_dir / "sidecar.log")
     raise SidecarUnreachable(
-        f"the sidecar did not answer within {START_DEADLINE_S:.0f}s; its log says:\n{log}"
+        f"the sidecar did not answer within {START_DEADLINE_S:.0f}s; its log says:\n{tail}"
     )
 
 

@@ -15,6 +15,7 @@ import pickle
 import re
 import stat
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -115,6 +116,8 @@ class UnavailableLoader:
 
 def default_checkpoint_loader() -> CheckpointLoader:
     """TorchLoader if torch imports, else an UnavailableLoader saying how to get it."""
+    # torch warns once when numpy is absent; the probe needs no numpy, and the user needs no noise.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     try:
         import torch
     except Exception as exc:  # ImportError, or a broken install failing to load its libraries

@@ -151,7 +151,7 @@ async def _fetch_once(
             offset = 0
     if offset:
         resumed[claim.path] = offset
-    mode = "r+b" if offset else "wb"
+    mode = "r+b" if offset else "w+b"
     with open(part, mode) as f:
         # Resume: the bytes already here are part of the digest too.
         while chunk := f.read(8 << 20):

@@ -85,37 +85,31 @@ def job_started(job: pb.Job) -> None:
     info(f"job [bold]{job.id}[/] started (pid {job.pid}, cell {job.cell or '-'}); log: {job.log_path}")
 
 
+STATUS_COLUMNS = (
+    ("box", "box"),
+    ("profile", "profile"),
+    ("sidecar", "sidecar"),
+    ("jobs", "jobs"),
+    ("claims", "claims"),
+    ("durable", "durable"),
+    ("not durable", "not_durable"),
+    ("push lag", "push_lag"),
+    ("disk free", "disk_free"),
+)
+
+
 def status(rows: Sequence[dict[str, object]]) -> None:
     t = Table(title="boxes")
-    for col in (
-        "box",
-        "profile",
-        "sidecar",
-        "jobs",
-        "claims",
-        "durable",
-        "not durable",
-        "push lag",
-        "disk free",
-    ):
-        t.add_column(col)
+    for title, _key in STATUS_COLUMNS:
+        t.add_column(title, no_wrap=True)
     for r in rows:
-        t.add_row(
-            *(
-                str(r.get(k, ""))
-                for k in (
-                    "box",
-                    "profile",
-                    "sidecar",
-                    "jobs",
-                    "claims",
-                    "durable",
-                    "not_durable",
-                    "push_lag",
-                    "disk_free",
-                )
+        cells = []
+        for _title, key in STATUS_COLUMNS:
+            v = r.get(key, "")
+            cells.append(
+                human_bytes(v) if key in ("not_durable", "disk_free") and isinstance(v, int) else str(v)
             )
-        )
+        t.add_row(*cells)
     _console().print(t)
 
 
@@ -134,14 +128,15 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
 
 
 @contextmanager
-def transfer_progress(total_files: int) -> Iterator[Callable[[str, int, int], None]]:
+def transfer_progress() -> Iterator[Callable[[str, int, int], None]]:
+    """One line per finished file (a live bar comes with the watch dashboard)."""
     c = _console()
     done: set[str] = set()
 
     def update(path: str, got: int, size: int) -> None:
         if got >= size and path not in done:
             done.add(path)
-            c.print(f"  [{len(done)}/{total_files}] {path} ({human_bytes(size)})")
+            c.print(f"  [{len(done)}] {path} ({human_bytes(size)})")
 
     yield update
 

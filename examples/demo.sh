@@ -6,6 +6,7 @@ REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN="$REPO/.venv/bin"
 DEMO="$REPO/.demo"
 export BOXWARDEN_HOME="$DEMO/home"   # the demo's own controller state, apart from yours
+export COLUMNS="${COLUMNS:-160}"
 
 step() { printf '\n\033[1;36m== %s\033[0m\n' "$*" >&2; }
 bw() { printf '\033[2m$ boxwarden %s\033[0m\n' "$*" >&2; "$BIN/boxwarden" "$@"; }
@@ -23,9 +24,11 @@ step "1. up: start the sidecar for box 'demo' (watch ./ckpt, durable copies in t
 bw up demo --profile local --workdir . --watch ckpt --roster cell-a --roster cell-b
 
 step "2. run: two cells of a tiny CPU training, each checkpointing atomically every 50 steps"
+seed=0
 for cell in cell-a cell-b; do
+  seed=$((seed + 1))
   bw run demo --cell "$cell" -- "$BIN/python" "$REPO/examples/train_tiny.py" \
-      --out "ckpt/$cell" --steps 200 --save-every 50 --seed "${#cell}${cell: -1}" --step-delay-s 0.01
+      --out "ckpt/$cell" --steps 200 --save-every 50 --seed "$seed" --step-delay-s 0.01
 done
 
 step "3. watch: status while the jobs run"

@@ -1,13 +1,13 @@
 """The sidecar's error tree. `server.py` is the one place these become gRPC status codes.
 
-    SidecarError
-    ├── ConfigError          bad or missing configuration (the daemon refuses to start)
-    ├── UnsafePathError      a path from the wire or the disk that escapes its root    → INVALID_ARGUMENT
-    ├── NotFoundError        no such claim / job                                       → NOT_FOUND
-    ├── PreconditionError    the request is valid but the state forbids it            → FAILED_PRECONDITION
-    ├── ChangedError         bytes on disk changed under us (claim or copy source)     → ABORTED
-    └── StorageError         the durable store failed (I/O, missing mount)             → UNAVAILABLE
-        └── VerifyError      a durable copy re-read did not hash equal
+SidecarError
+├── ConfigError          bad or missing configuration (the daemon refuses to start)
+├── UnsafePathError      a path from the wire or the disk that escapes its root    → INVALID_ARGUMENT
+├── NotFoundError        no such claim / job                                       → NOT_FOUND
+├── PreconditionError    the request is valid but the state forbids it            → FAILED_PRECONDITION
+├── ChangedError         bytes on disk changed under us (claim or copy source)     → ABORTED
+└── StorageError         the durable store failed (I/O, missing mount)             → UNAVAILABLE
+    └── VerifyError      a durable copy re-read did not hash equal
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ real socket, real torch checkpoints. Each test asserts the exact code (and path 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -42,8 +43,6 @@ def verified_box(bw: Bw, *roster: str) -> dict[str, Path]:
 
 def down_dry(bw: Bw) -> dict[str, Any]:
     r = bw("down", NAME, "--dry-run", "--json")
-    import json
-
     doc = dict(json.loads(r.stdout))
     assert r.returncode == (0 if doc["allowed"] else 3), r.stderr
     return doc
@@ -150,7 +149,9 @@ def test_file_held_open_for_writing_is_unsealed_writes(bw: Bw) -> None:
 
 def test_running_job_is_job_running(bw: Bw) -> None:
     verified_box(bw)
-    job = bw.json("run", NAME, "--cell", "cell-a", "--", sys.executable, "-c", "import time; time.sleep(300)")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    r = bw.ok("run", NAME, "--json", "--cell", "cell-a", "--", *sleeper)
+    job = json.loads(r.stdout)
     assert pid_alive(job["pid"])
     doc = down_dry(bw)
     assert "JOB_RUNNING" in only_codes(doc)
@@ -237,8 +238,6 @@ def test_no_confirmation_is_not_confirmed(bw: Bw) -> None:
     p = verified_box(bw)
     r = bw("down", NAME, "--json")  # stdin is not a terminal: no prompt, no silent yes
     assert r.returncode == 3
-    import json
-
     assert {x["code"] for x in json.loads(r.stdout)["reasons"]} == {"NOT_CONFIRMED"}
     wrong = bw("down", NAME, "--json", "--confirm", "box2")
     assert wrong.returncode == 3

@@ -25,7 +25,7 @@ def command(name: str, to: Path | None, as_json: bool) -> None:
     state = open_state()
     box = state.get(name)
     dest = to or (Path(box.pulled_dir) if box.pulled_dir else Path(f"pulled-{name}"))
-    with render.transfer_progress(0) as progress:
+    with render.transfer_progress() as progress:
         rep = asyncio.run(boxes.pull_box(state, box, dest.resolve(), progress))
     if as_json:
         render.json_out(rep.to_json())

@@ -1,0 +1,77 @@
+"""The digest rule, implemented once for the sidecar: blake3 of a file's bytes, 32 bytes, lowercase hex.
+
+This module owns how the sidecar computes that digest: `hash_file` for a file at rest, `new_hasher`
+for the streaming paths (storage's stage and verify, bytes arriving over gRPC), and the chunk sizes
+those paths read with. Every digest the sidecar records or compares comes from here, so the rule
+cannot drift between the claim and its proof.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import blake3
+
+logger = logging.getLogger(__name__)
+
+DIGEST_SIZE = 32
+"""Bytes in a digest; `hexdigest()` gives twice as many lowercase hex characters."""
+
+STAGE_CHUNK = 8 << 20
+"""Read/write size of storage's copy pass. Large enough that per-call overhead vanishes and the
+hash of one chunk overlaps the write of the next; small enough to stay in L2/L3-friendly, cheap
+buffers (two of them per copy)."""
+
+VERIFY_CHUNK = 16 << 20
+"""Read size of a cold re-read. With POSIX_FADV_SEQUENTIAL the kernel's readahead window doubles;
+16 MiB requests keep the device queue busy while the previous chunk is hashed."""
+
+MMAP_THRESHOLD = 4 << 20
+"""Below this a plain read into one buffer is cheaper than setting up a mapping and waking the
+hashing thread pool; above it, mmap plus all cores wins (it is what `b3sum` does)."""
+
+# blake3's multithreaded update splits one input across a thread pool. That only pays for inputs of
+# hundreds of KiB and up; for smaller updates the fork/join overhead costs more than it saves.
+_MULTITHREAD_MIN_UPDATE = 1 << 20
+
+_DIGEST_RE = re.compile("[0-9a-f]{64}")  # 2 * DIGEST_SIZE
+
+
+def new_hasher(*, update_size: int = 0) -> blake3.blake3:
+    """A fresh blake3 hasher for streaming use.
+
+    `update_size` is the typical size of one `update()` call. Pass it when the updates are large
+    (≥ 1 MiB, e.g. a whole read chunk): the hasher then spreads each update over all cores.
+    Leave it 0 for small updates (gRPC messages, tiny files), where threads only add overhead, and
+    for callers that already overlap hashing with other work on another core.
+    """
+    if update_size >= _MULTITHREAD_MIN_UPDATE:
+        return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    return blake3.blake3()
+
+
+def hash_file(path: Path) -> str:
+    """The digest of the file at `path`: blake3, 32 bytes, lowercase hex.
+
+    For a file of MMAP_THRESHOLD bytes or more, the file is memory-mapped and hashed on all cores,
+    which is how `b3sum` reaches its throughput; smaller files are read into memory in one go.
+
+    Meant for files at rest (sealed artifacts, pulled copies). A file truncated by another process
+    *while* it is mapped makes the kernel send SIGBUS; callers that hash files still being written
+    must not use this function (storage's copy pass reads with `read()` for that reason).
+
+    Raises OSError (FileNotFoundError, IsADirectoryError, ...) as the OS reports it.
+    """
+    size = os.stat(path).st_size
+    if size < MMAP_THRESHOLD:
+        with open(path, "rb") as f:
+            return blake3.blake3(f.read()).hexdigest()
+    return blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(path).hexdigest()
+
+
+def is_digest(value: str) -> bool:
+    """True if `value` has the shape of a digest: 64 lowercase hex characters."""
+    return _DIGEST_RE.fullmatch(value) is not None

@@ -1,0 +1,144 @@
+"""Durable storage: where sealed artifacts are copied, and how a copy is proven.
+
+This package owns the `DurableStore` contract, the `StagedCopy` it hands back, the rule for the
+relative paths (`rel`) that name artifacts inside a store, and `open_store`, which turns the
+configured durable URL into a store. Backends live in their own modules (`local` for `file://`)
+and are imported only when their scheme is asked for, so an optional client library (boto3 for a
+future `s3://`) is never imported by a box that does not use it.
+
+The push of one artifact is three blocking calls, run by the caller in a bounded executor:
+
+    staged = store.stage(src, rel)   # ONE read pass: hash + write a temp copy; digest = the claim
+    ledger.record_claim(staged)      # caller's business: the claim exists before the copy is final
+    store.commit(staged)             # fsync, atomic rename into place, fsync the directories
+    store.verify(rel, digest)        # re-read the copy from the device; equal digest → "durable"
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from sidecar.errors import ConfigError, UnsafePathError
+from sidecar.identity import FileIdentity
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_SCHEMES = ("file",)
+
+TMP_DIRNAME = ".boxwarden-tmp"
+"""Directory under a store's root that holds copies in flight; never a valid first `rel` part."""
+
+
+@dataclass(frozen=True, slots=True)
+class StagedCopy:
+    """A complete, not yet durable copy of `source`'s bytes, written to `tmp_path`.
+
+    `digest` is the blake3 of exactly the bytes written (and read from `source`, whose identity did
+    not change during the read): it is the claim digest.
+    """
+
+    rel: str
+    tmp_path: Path
+    digest: str
+    size: int
+    source: FileIdentity
+
+
+Progress = Callable[[int], None]
+"""Called from the copying thread with the number of bytes copied so far."""
+
+
+class DurableStore(Protocol):
+    """A place that keeps artifacts after the box is gone. Every method blocks."""
+
+    @property
+    def url(self) -> str:
+        """The URL the store was opened with (for messages and events)."""
+        ...
+
+    def stage(self, src: Path, rel: str, *, progress: Progress | None = None) -> StagedCopy:
+        """Copy `src` to a temp place in the store in one read pass, hashing the bytes as they pass.
+
+        Raises UnsafePathError (bad `rel`), ChangedError (`src` changed or vanished during the
+        read), PreconditionError (`src` is not a regular file), StorageError (I/O on either side).
+        No temp is left behind when it raises.
+        """
+        ...
+
+    def commit(self, staged: StagedCopy) -> None:
+        """Make the staged copy durable at `rel`: flush it, rename it into place, flush directories."""
+        ...
+
+    def discard(self, staged: StagedCopy) -> None:
+        """Remove the temp copy; a temp that is already gone is not an error."""
+        ...
+
+    def verify(self, rel: str, digest: str) -> bool:
+        """Re-read the durable copy at `rel` from the device and compare its digest; missing → False."""
+        ...
+
+    def exists(self, rel: str) -> bool:
+        """True if a durable copy exists at `rel` (says nothing about its bytes)."""
+        ...
+
+    def clean_tmp(self) -> int:
+        """Remove temp copies left by a crash; returns how many. Call only when no stage is running."""
+        ...
+
+    def path_for_usage(self) -> Path:
+        """A local path on the store's filesystem, for `os.statvfs` (free space, inodes)."""
+        ...
+
+    def close(self) -> None:
+        """Release threads and handles; the store is unusable afterwards."""
+        ...
+
+
+def split_rel(rel: str) -> tuple[str, ...]:
+    """Validate an artifact's relative path and return its components.
+
+    A `rel` is a relative POSIX path: no leading '/', no empty, '.' or '..' component, no NUL, and
+    it may not start inside the store's temp directory. Anything else raises UnsafePathError: such a
+    path comes from the wire or from a directory listing and must never reach the filesystem.
+    """
+    if not isinstance(rel, str) or not rel:
+        raise UnsafePathError(f"artifact path {rel!r} is empty")
+    if "\x00" in rel:
+        raise UnsafePathError(f"artifact path {rel!r} contains a NUL byte")
+    if rel.startswith("/"):
+        raise UnsafePathError(f"artifact path {rel!r} is absolute; it must be relative to the root")
+    parts = tuple(rel.split("/"))
+    for part in parts:
+        if part in ("", ".", ".."):
+            raise UnsafePathError(
+                f"artifact path {rel!r} has a {part or 'empty'!r} component; "
+                "only plain names separated by single '/' are allowed"
+            )
+    if parts[0] == TMP_DIRNAME:
+        raise UnsafePathError(f"artifact path {rel!r} is inside the store's reserved {TMP_DIRNAME}/")
+    return parts
+
+
+def open_store(url: str) -> DurableStore:
+    """Open the durable store named by `url`.
+
+    Supported: `file:///absolute/dir` (a local or mounted filesystem). The directory itself is
+    created if missing, but its parent must exist: a missing parent usually means a volume that is
+    not mounted, and creating the tree there would silently write to the box's ephemeral disk.
+    Anything else raises ConfigError.
+    """
+    scheme = urlsplit(url).scheme if isinstance(url, str) else ""
+    if scheme == "file":
+        from sidecar.storage.local import LocalStore
+
+        return LocalStore.from_url(url)
+    supported = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+    raise ConfigError(
+        f"durable URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "
+        f"supported: {supported} (e.g. file:///mnt/durable/ckpt)"
+    )

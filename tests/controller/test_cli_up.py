@@ -1,0 +1,99 @@
+"""`up` and the other commands around it: idempotence, refusals at the edge, helpful failures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import Bw, pid_alive, save_ckpt
+
+
+def test_up_twice_leaves_the_running_sidecar_alone(bw: Bw) -> None:
+    bw.up("b1")
+    first = bw.sidecar_pids()
+    bw.up("b1")
+    assert bw.sidecar_pids() == first
+    assert all(pid_alive(p) for p in first)
+    rows = bw.json("status")["boxes"]
+    assert [r["box"] for r in rows] == ["b1"]
+    assert rows[0]["sidecar"].startswith("0.1.0 pid ")
+
+
+def test_unsafe_box_name_is_refused_before_anything_runs(bw: Bw) -> None:
+    r = bw("up", "x; rm -rf ~", "--profile", "local", "--watch", "ckpt")
+    assert r.returncode == 2
+    assert "not allowed" in r.stderr
+    assert not bw.sidecar_pids()
+
+
+def test_unknown_profile_and_remote_durable_are_usage_errors(bw: Bw) -> None:
+    r = bw("up", "b1", "--profile", "nope", "--watch", "ckpt")
+    assert r.returncode == 2 and "unknown profile" in r.stderr
+    r = bw("up", "b1", "--profile", "local", "--watch", "ckpt", "--durable", "s3://bucket/x")
+    assert r.returncode == 2 and "file:///" in r.stderr
+
+
+def test_a_sidecar_that_cannot_start_shows_its_log(bw: Bw) -> None:
+    shared = bw.home / "boxes" / "b1" / "sidecar"
+    shared.mkdir(parents=True)
+    shared.chmod(0o755)  # not private: the sidecar must refuse to put its socket and ledger there
+    r = bw("up", "b1", "--profile", "local", "--watch", "ckpt")
+    assert r.returncode == 1
+    assert "mode 0700" in r.stderr
+    assert "exited with status 2" in r.stderr
+
+
+def test_unknown_box_says_how_to_start_one(bw: Bw) -> None:
+    r = bw("artifacts", "ghost")
+    assert r.returncode == 1
+    assert "boxwarden up ghost" in r.stderr
+
+
+def test_pull_resumes_from_the_partial_file(bw: Bw) -> None:
+    p = bw.up("b1")
+    save_ckpt(p["watch"] / "cell-a" / "big.pt", seed=5, size=2_000_000)  # ~8 MB
+    bw.wait_durable("b1", 1)
+    pulled = bw.cwd / "pulled"
+    # An interrupted earlier pull left the first 3 MB (right bytes) as the partial file.
+    part = pulled / "cell-a" / "big.pt.bw-part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes((p["watch"] / "cell-a" / "big.pt").read_bytes()[: 3 << 20])
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["resumed"] == {"cell-a/big.pt": 3 << 20}
+    assert rep["bytes_fetched"] == (p["watch"] / "cell-a" / "big.pt").stat().st_size - (3 << 20)
+    assert not part.exists()
+    assert (pulled / "cell-a" / "big.pt").read_bytes() == (p["watch"] / "cell-a" / "big.pt").read_bytes()
+    bw.ok("verify", str(pulled))
+    again = bw.json("pull", "b1", "--to", str(pulled))
+    assert again["skipped"] == ["cell-a/big.pt"] and again["fetched"] == []
+
+
+def test_pull_refuses_a_corrupt_partial_and_keeps_nothing_wrong(bw: Bw) -> None:
+    p = bw.up("b1")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=6, size=100_000)
+    bw.wait_durable("b1", 1)
+    pulled = bw.cwd / "pulled"
+    part = pulled / "cell-a" / "best.pt.bw-part"
+    part.parent.mkdir(parents=True)
+    part.write_bytes(b"\0" * 1000)  # wrong bytes: the hash on receipt must catch it
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 1
+    assert "the partial copy was removed" in r.stderr
+    assert not part.exists() and not (pulled / "cell-a" / "best.pt").exists()
+    bw.ok("pull", "b1", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+
+
+def test_verify_json_and_marker_binding(bw: Bw, tmp_path: Path) -> None:
+    p = bw.up("b1", "--roster", "cell-a")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    listing = bw.wait_durable("b1", 1)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    doc = bw.json("verify", str(pulled))
+    assert doc["ok"] is True and doc["reasons"] == []
+    marker = json.loads((pulled / "PULL_VERIFIED.json").read_text())
+    assert marker["manifest_digest"] == listing["manifest_digest"] == doc["manifest_digest"]
+    manifest = json.loads((pulled / "MANIFEST.json").read_text())
+    assert manifest["schema"] == "boxwarden.manifest/1"
+    assert manifest["instance"] == "b1" and manifest["roster"] == ["cell-a"]
