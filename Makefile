@@ -7,9 +7,22 @@ PROTO_SRC := $(wildcard proto/boxwarden_pb/v1/*.proto)
 PROTO_OUT := proto/boxwarden_pb/v1
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup proto proto-check lint typecheck test test-gpu bench demo wheel clean
+.PHONY: setup sysdeps proto proto-check lint typecheck test test-gpu bench demo wheel clean
 
 setup: $(STAMP)
+
+# System tools the tests and benchmarks call (b3sum is the reference hasher; sshd and rsync serve
+# the transport tests). Installed with apt when missing and we are root; otherwise say what to run.
+sysdeps:
+	@missing=""; \
+	command -v b3sum >/dev/null || missing="$$missing b3sum"; \
+	command -v rsync >/dev/null || missing="$$missing rsync"; \
+	test -x /usr/sbin/sshd || missing="$$missing openssh-server"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	  else echo "missing system packages:$$missing -- run: sudo apt-get install -y$$missing"; exit 1; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,13 +45,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: $(STAMP)
+test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu --run-gpu
 
-bench: $(STAMP)
+bench: $(STAMP) sysdeps
 	$(BIN)/python -m bench
 
 demo: $(STAMP)

@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 WRITEBACK_WINDOW = 64 << 20
 """Buffered copies only: bytes written between two writeback kicks during stage."""
 
+READ_AHEAD = 64 << 20
+"""verify: bytes requested from the device ahead of the hash (POSIX_FADV_WILLNEED)."""
+
 _BUFFERS = 3  # chunk buffers per stage: one being read and hashed, up to three being written
 _ALIGN = 4096  # O_DIRECT offset/length alignment that every common block device accepts
 _DIRECT_MIN = 1 << 20  # below this, the page cache costs nothing worth avoiding
@@ -72,6 +75,14 @@ def _close(fd: int) -> None:
         os.close(fd)
     except OSError as exc:  # an fd we own and close once; a failure here is only worth a note
         logger.warning("closing fd %d failed: %s", fd, exc)
+
+
+def _read_ahead(fd: int, done: int, advised: int) -> int:
+    """Ask the kernel to start reading up to READ_AHEAD bytes past `done`; returns the new mark."""
+    if done + READ_AHEAD > advised:
+        os.posix_fadvise(fd, advised, done + READ_AHEAD - advised, os.POSIX_FADV_WILLNEED)
+        advised = done + READ_AHEAD
+    return advised
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -367,8 +378,17 @@ class LocalStore:
             hasher = hashing.new_hasher(update_size=hashing.VERIFY_CHUNK)
             buf = bytearray(hashing.VERIFY_CHUNK)
             view = memoryview(buf)
-            while n := os.readv(fd, [buf]):
+            done = advised = 0
+            while True:
+                # Plain sequential reads of a freshly written file ran at half the device's speed
+                # here (one readahead stream, mostly waiting); asking for the next READ_AHEAD bytes
+                # up front keeps several requests in flight while this thread hashes.
+                advised = _read_ahead(fd, done, advised)
+                n = os.readv(fd, [buf])
+                if n == 0:
+                    break
                 hasher.update(view[:n])
+                done += n
             # Leave nothing behind: the copy is for the future, not for this box's page cache.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
