@@ -254,3 +254,57 @@ def test_dead_sidecar_is_sidecar_unreachable(bw: Bw) -> None:
     doc = down_dry(bw)
     assert "SIDECAR_UNREACHABLE" in only_codes(doc)
     assert doc["allowed"] is False
+
+
+def _down_on_a_terminal(bw: Bw, typed: str) -> tuple[int, str]:
+    """Run `down NAME` with a real pseudo-terminal as its stdin and answer the prompt."""
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "down", NAME],
+        cwd=bw.cwd,
+        env=bw.env,
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+    )
+    os.close(slave)
+    out = b""
+    answered = False
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.5)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+                if not answered and b"to confirm teardown" in out:
+                    os.write(master, typed.encode() + b"\r")
+                    answered = True
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=60)
+    finally:
+        os.close(master)
+    return code, out.decode(errors="replace")
+
+
+def test_interactive_prompt_wrong_name_refuses_right_name_tears_down(bw: Bw) -> None:
+    p = verified_box(bw)
+    code, out = _down_on_a_terminal(bw, "not-the-box")
+    assert code == 3, out
+    assert "NOT_CONFIRMED" in out
+    assert (p["watch"] / "cell-a" / "best.pt").exists()
+    code, out = _down_on_a_terminal(bw, NAME)
+    assert code == 0, out
+    assert "gone" in out
+    assert not (p["watch"] / "cell-a" / "best.pt").exists()

@@ -28,13 +28,15 @@ def command(name: str, dry_run: bool, confirm: str | None, pulled: Path | None, 
     state = open_state()
     box = state.get(name)
     pulled_dir = boxes.pulled_dir(box, pulled)
-    verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=True))
-    if not dry_run and verdict.allowed and confirm is None and sys.stdin.isatty() and not as_json:
-        render.verdict(verdict, dry_run=True)
+    if not dry_run and confirm is None and sys.stdin.isatty() and not as_json:
+        # Interactive: show the evidence first, ask for the name only if there is something to confirm.
+        preview = asyncio.run(boxes.judge(box, pulled_dir, confirm=None, dry_run=True))
+        render.verdict(preview, dry_run=True)
+        if not preview.allowed:
+            raise click.exceptions.Exit(GateRefused.exit_code)
         confirm = render.confirm_prompt(name)
-    if not dry_run:
-        # Judge again at the moment of acting, with the confirmation: the box may have moved on.
-        verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=False))
+    # Judged at the moment of acting (after any prompt): the box may have moved on meanwhile.
+    verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=dry_run))
     doc: dict[str, object] = {"dry_run": dry_run, **verdict.to_json()}
     if not verdict.allowed:
         if as_json:

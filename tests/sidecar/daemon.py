@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -89,12 +90,11 @@ class Daemon:
         )
 
 
-def make_daemon(root: Path, **cfg: object) -> Daemon:
+def make_daemon(root: Path, sock_dir: Path, **cfg: object) -> Daemon:
     watch, durable, state = root / "watch", root / "durable", root / "state"
     watch.mkdir(parents=True, exist_ok=True)
     durable.mkdir(exist_ok=True)
-    # A short, private socket dir of its own (sun_path is ~107 bytes; tmp_path can be longer).
-    sock = Path(tempfile.mkdtemp(prefix="bwt-", dir="/tmp")) / "s.sock"
+    sock = sock_dir / "s.sock"
     msg = pb.SidecarConfig(
         box_name="t1",
         profile="local",
@@ -114,15 +114,24 @@ def make_daemon(root: Path, **cfg: object) -> Daemon:
 
 
 @contextlib.contextmanager
-def running(root: Path, **cfg: object) -> Iterator[Daemon]:
-    d = make_daemon(root, **cfg)
-    d.start()
+def short_dir() -> Iterator[Path]:
+    """A short, private directory for a socket (sun_path is ~107 bytes; tmp_path can be longer)."""
+    d = Path(tempfile.mkdtemp(prefix="bwt-", dir="/tmp"))
     try:
         yield d
     finally:
-        d.kill(signal.SIGTERM)
-        with contextlib.suppress(OSError):
-            d.socket.parent.rmdir()
+        shutil.rmtree(d, ignore_errors=True)
 
 
-__all__ = ["Daemon", "make_daemon", "pid_alive", "running"]
+@contextlib.contextmanager
+def running(root: Path, **cfg: object) -> Iterator[Daemon]:
+    with short_dir() as sock_dir:
+        d = make_daemon(root, sock_dir, **cfg)
+        d.start()
+        try:
+            yield d
+        finally:
+            d.kill(signal.SIGTERM)
+
+
+__all__ = ["Daemon", "make_daemon", "pid_alive", "running", "short_dir"]

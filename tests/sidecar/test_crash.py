@@ -38,9 +38,9 @@ def assert_no_false_durable(ledger: Path, durable_root: Path) -> int:
     return len(rows)
 
 
-def test_kill9_while_pushing_never_leaves_a_false_durable_claim(tmp_path: Path) -> None:
+def test_kill9_while_pushing_never_leaves_a_false_durable_claim(tmp_path: Path, sock_dir: Path) -> None:
     rng = random.Random(1234)
-    d = make_daemon(tmp_path)
+    d = make_daemon(tmp_path, sock_dir)
     ledger = d.state / "ledger.sqlite"
     payload = os.urandom(SIZE)
     d.start()

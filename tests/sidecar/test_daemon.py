@@ -63,8 +63,8 @@ def test_a_changed_file_gets_a_new_claim_not_an_edit(tmp_path: Path) -> None:
         assert [e.blake3 for e in sealed] == [first.blake3, second.blake3]
 
 
-def test_restart_reuses_the_ledger_and_does_not_rehash(tmp_path: Path) -> None:
-    d = make_daemon(tmp_path)
+def test_restart_reuses_the_ledger_and_does_not_rehash(tmp_path: Path, sock_dir: Path) -> None:
+    d = make_daemon(tmp_path, sock_dir)
     d.start()
     try:
         for i in range(3):
@@ -125,9 +125,9 @@ def test_socket_and_state_dir_permissions(tmp_path: Path) -> None:
     assert not d.socket.exists(), "the socket is removed on an orderly shutdown"
 
 
-def test_second_sidecar_on_the_same_state_dir_refuses(tmp_path: Path) -> None:
+def test_second_sidecar_on_the_same_state_dir_refuses(tmp_path: Path, sock_dir: Path) -> None:
     with running(tmp_path):
-        other = make_daemon(tmp_path)
+        other = make_daemon(tmp_path, sock_dir)
         import subprocess
         import sys
 

@@ -1,0 +1,425 @@
+"""sidecar.storage (file://) and sidecar.hashing against real files, a real b3sum and a real tmpfs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
+from sidecar.hashing import MMAP_THRESHOLD, hash_file, is_digest, new_hasher
+from sidecar.storage import TMP_DIRNAME, StagedCopy, open_store
+from sidecar.storage.local import LocalStore
+
+EMPTY_DIGEST = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+SMALL_CHUNK = 4096
+
+needs_b3sum = pytest.mark.skipif(shutil.which("b3sum") is None, reason="b3sum is not installed")
+
+
+def b3sum(path: Path) -> str:
+    return subprocess.run(
+        ["b3sum", "--no-names", str(path)], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def write_random(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def temps(root: Path) -> list[str]:
+    tmp = root / TMP_DIRNAME
+    return sorted(os.listdir(tmp)) if tmp.exists() else []
+
+
+@pytest.fixture(params=[True, False], ids=["direct", "buffered"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStore]:
+    s = LocalStore(tmp_path / "durable", direct_io=request.param) if False else None
+    root = tmp_path / "durable"
+    root.mkdir()
+    s = LocalStore(root.resolve(), direct_io=request.param, chunk_size=SMALL_CHUNK * 64)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def push(store: LocalStore, src: Path, rel: str) -> StagedCopy:
+    staged = store.stage(src, rel)
+    store.commit(staged)
+    return staged
+
+
+# ------------------------------------------------------------------------------------- hashing
+
+
+@needs_b3sum
+@pytest.mark.parametrize("size", [0, 1, 4097, MMAP_THRESHOLD - 1, MMAP_THRESHOLD, MMAP_THRESHOLD + 12345])
+def test_hash_file_matches_b3sum(tmp_path: Path, size: int) -> None:
+    src = write_random(tmp_path / "f", size)
+    digest = hash_file(src)
+    assert digest == b3sum(src)
+    assert is_digest(digest)
+
+
+def test_streaming_hasher_matches_hash_file(tmp_path: Path) -> None:
+    data = os.urandom(3 * (1 << 20) + 7)
+    src = tmp_path / "f"
+    src.write_bytes(data)
+    for update_size in (0, 1 << 20):
+        h = new_hasher(update_size=update_size)
+        for i in range(0, len(data), 1 << 20):
+            h.update(data[i : i + (1 << 20)])
+        assert h.hexdigest() == hash_file(src)
+
+
+def test_is_digest_shape() -> None:
+    assert is_digest(EMPTY_DIGEST)
+    assert not is_digest(EMPTY_DIGEST.upper())
+    assert not is_digest(EMPTY_DIGEST[:-1])
+
+
+# ---------------------------------------------------------------------------- stage/commit/verify
+
+
+@needs_b3sum
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, (1 << 20) + 17, 3 * SMALL_CHUNK * 64 + 5])
+def test_round_trip(store: LocalStore, tmp_path: Path, size: int) -> None:
+    src = write_random(tmp_path / "ckpt.bin", size)
+    staged = store.stage(src, "run-1/ckpt.bin")
+    assert staged.size == size
+    assert staged.digest == hash_file(src) == b3sum(src)
+    assert staged.tmp_path.exists()
+    assert not store.exists("run-1/ckpt.bin")
+
+    store.commit(staged)
+
+    final = store.root / "run-1" / "ckpt.bin"
+    assert final.read_bytes() == src.read_bytes()
+    assert b3sum(final) == staged.digest
+    assert store.exists("run-1/ckpt.bin")
+    assert store.verify("run-1/ckpt.bin", staged.digest)
+    assert temps(store.root) == []
+
+
+def test_empty_file(store: LocalStore, tmp_path: Path) -> None:
+    src = tmp_path / "empty"
+    src.touch()
+    staged = push(store, src, "empty")
+    assert staged.digest == EMPTY_DIGEST
+    assert staged.size == 0
+    assert store.verify("empty", EMPTY_DIGEST)
+
+
+def test_nested_rel_creates_directories(store: LocalStore, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "x", 10_000)
+    staged = push(store, src, "a/b/c/d.bin")
+    assert (store.root / "a" / "b" / "c" / "d.bin").is_file()
+    assert store.verify("a/b/c/d.bin", staged.digest)
+    # a second artifact in an existing directory, and a re-push over an existing copy
+    push(store, src, "a/b/other.bin")
+    write_random(src, 5_000)
+    again = push(store, src, "a/b/c/d.bin")
+    assert again.digest != staged.digest
+    assert store.verify("a/b/c/d.bin", again.digest)
+    assert not store.verify("a/b/c/d.bin", staged.digest)
+
+
+def test_corrupted_copy_fails_verify(store: LocalStore, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "x", (1 << 20) + 100)
+    staged = push(store, src, "ckpt.bin")
+    final = store.root / "ckpt.bin"
+    with open(final, "r+b") as f:
+        f.seek(777_777)
+        byte = f.read(1)
+        f.seek(777_777)
+        f.write(bytes([byte[0] ^ 0x01]))
+    assert not store.verify("ckpt.bin", staged.digest)
+
+
+def test_truncated_and_missing_copies_fail_verify(store: LocalStore, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "x", 50_000)
+    staged = push(store, src, "d/ckpt.bin")
+    os.truncate(store.root / "d" / "ckpt.bin", 49_999)
+    assert not store.verify("d/ckpt.bin", staged.digest)
+    assert not store.verify("d/never.bin", staged.digest)
+    assert not store.verify("nowhere/ckpt.bin", staged.digest)
+    assert not store.verify("d/ckpt.bin/below-a-file", staged.digest)
+    assert not store.verify("d", staged.digest)  # a directory is not a copy
+    assert not store.exists("d")
+
+
+def test_concurrent_stages_do_not_mix(store: LocalStore, tmp_path: Path) -> None:
+    srcs = [write_random(tmp_path / f"s{i}", (1 << 20) + 4096 * i + i) for i in range(4)]
+    results: dict[int, StagedCopy] = {}
+
+    def work(i: int) -> None:
+        results[i] = push(store, srcs[i], f"c/{i}.bin")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, src in enumerate(srcs):
+        assert results[i].digest == hash_file(src)
+        assert store.verify(f"c/{i}.bin", results[i].digest)
+
+
+def test_progress_reports_bytes(store: LocalStore, tmp_path: Path) -> None:
+    size = 3 * SMALL_CHUNK * 64 + 5
+    src = write_random(tmp_path / "x", size)
+    seen: list[int] = []
+    store.stage(src, "p", progress=seen.append)
+    assert seen == sorted(seen)
+    assert seen[-1] == size
+    assert len(seen) == 4
+
+
+# --------------------------------------------------------------------------- a source that changes
+
+
+def _append(src: Path) -> None:
+    with open(src, "ab") as f:
+        f.write(b"more")
+
+
+def _truncate(src: Path) -> None:
+    os.truncate(src, 10)
+
+
+def _replace(src: Path) -> None:
+    new = src.with_name("replacement")
+    new.write_bytes(b"x" * src.stat().st_size)
+    os.replace(new, src)
+
+
+@pytest.mark.parametrize("change", [_append, _truncate, _replace], ids=["append", "truncate", "replace"])
+def test_source_changed_during_stage(
+    store: LocalStore, tmp_path: Path, change: Callable[[Path], None]
+) -> None:
+    src = write_random(tmp_path / "x", 4 * SMALL_CHUNK * 64)
+    calls: list[int] = []
+
+    def on_progress(n: int) -> None:
+        # The writer strikes after the first chunk was read: deterministic, no timing involved.
+        if not calls:
+            change(src)
+        calls.append(n)
+
+    with pytest.raises(ChangedError, match="changed while it was copied"):
+        store.stage(src, "x", progress=on_progress)
+    assert temps(store.root) == []
+    assert not store.exists("x")
+
+
+def test_source_vanished(store: LocalStore, tmp_path: Path) -> None:
+    with pytest.raises(ChangedError, match="vanished"):
+        store.stage(tmp_path / "gone", "x")
+
+
+def test_fifo_source_is_refused_without_blocking(store: LocalStore, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(PreconditionError, match="not a regular file"):
+        store.stage(fifo, "x")
+    assert temps(store.root) == []
+
+
+def test_symlink_source_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    target = write_random(tmp_path / "target", 100)
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(PreconditionError):
+        store.stage(link, "x")
+
+
+def test_progress_error_leaves_no_temp(store: LocalStore, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "x", 3 * SMALL_CHUNK * 64)
+
+    def boom(n: int) -> None:
+        raise RuntimeError("caller gave up")
+
+    with pytest.raises(RuntimeError, match="caller gave up"):
+        store.stage(src, "x", progress=boom)
+    assert temps(store.root) == []
+
+
+# ------------------------------------------------------------------------------------ unsafe rels
+
+UNSAFE = ["", "/abs", "../x", "a/../../x", "a//b", "a/./b", ".", "a/", "a\x00b", f"{TMP_DIRNAME}/x", "a/.."]
+
+
+@pytest.mark.parametrize("rel", UNSAFE)
+def test_unsafe_rel_is_refused_everywhere(store: LocalStore, tmp_path: Path, rel: str) -> None:
+    src = write_random(tmp_path / "x", 10)
+    with pytest.raises(UnsafePathError):
+        store.stage(src, rel)
+    with pytest.raises(UnsafePathError):
+        store.verify(rel, EMPTY_DIGEST)
+    with pytest.raises(UnsafePathError):
+        store.exists(rel)
+    assert temps(store.root) == []
+
+
+def test_symlinked_directory_under_root_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (store.root / "escape").symlink_to(outside)
+    src = write_random(tmp_path / "x", 10)
+    staged = store.stage(src, "escape/x")
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.commit(staged)
+    assert list(outside.iterdir()) == []
+    assert temps(store.root) == []
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.verify("escape/x", staged.digest)
+
+
+def test_symlink_at_final_name_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    victim = write_random(tmp_path / "victim", 10)
+    (store.root / "ckpt").symlink_to(victim)
+    staged = store.stage(write_random(tmp_path / "x", 10), "ckpt")
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.commit(staged)
+    assert (store.root / "ckpt").is_symlink()
+    assert temps(store.root) == []
+
+
+# --------------------------------------------------------------------------------- temp lifecycle
+
+
+def test_discard_and_commit_after_discard(store: LocalStore, tmp_path: Path) -> None:
+    staged = store.stage(write_random(tmp_path / "x", 10), "x")
+    store.discard(staged)
+    store.discard(staged)  # already gone: not an error
+    assert temps(store.root) == []
+    with pytest.raises(PreconditionError, match="gone"):
+        store.commit(staged)
+    assert not store.exists("x")
+
+
+def test_clean_tmp_removes_leftovers(store: LocalStore, tmp_path: Path) -> None:
+    assert store.clean_tmp() == 0
+    store.stage(write_random(tmp_path / "x", 10), "x")  # a crash would leave this behind
+    (store.root / TMP_DIRNAME / "orphan").write_bytes(b"half a checkpoint")
+    assert store.clean_tmp() == 2
+    assert temps(store.root) == []
+
+
+def test_foreign_staged_copy_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    other = tmp_path / "other-root"
+    other.mkdir()
+    with LocalStoreClosing(LocalStore(other.resolve())) as second:
+        staged = second.stage(write_random(tmp_path / "x", 10), "x")
+    with pytest.raises(PreconditionError, match="not staged by"):
+        store.commit(staged)
+
+
+class LocalStoreClosing:
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+
+    def __enter__(self) -> LocalStore:
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.close()
+
+
+# ------------------------------------------------------------------------------ storage failures
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs: a durable store that runs out of space for real.
+
+    Needs root (or CAP_SYS_ADMIN). Skipped only when mount is refused for lack of permission;
+    any other mount failure fails the test.
+    """
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        err = proc.stderr.lower()
+        if os.geteuid() != 0 or any(s in err for s in ("permission denied", "not permitted", "superuser")):
+            pytest.skip(f"SKIPPED (EPERM): cannot mount a tmpfs here: {proc.stderr.strip()}")
+        pytest.fail(f"mount tmpfs failed: {proc.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
+def test_no_space_is_a_storage_error_and_leaves_no_temp(tiny_fs: Path, tmp_path: Path, direct_io: bool) -> None:
+    store = LocalStore.from_url((tiny_fs / "durable").as_uri())
+    store._direct_io = direct_io  # same store, both write paths
+    src = write_random(tmp_path / "big", 2 << 20)
+    try:
+        with pytest.raises(StorageError, match="no space left") as info:
+            store.stage(src, "big")
+        assert str(tiny_fs / "durable") in str(info.value)
+        assert temps(store.root) == []
+        # the store still works for what fits
+        small = push(store, write_random(tmp_path / "small", 1000), "small")
+        assert store.verify("small", small.digest)
+    finally:
+        store.close()
+
+
+def test_missing_root_is_a_storage_error(tmp_path: Path) -> None:
+    root = tmp_path / "durable"
+    store = LocalStore.from_url(root.as_uri())
+    try:
+        shutil.rmtree(root)  # the volume went away
+        with pytest.raises(StorageError, match="mounted"):
+            store.stage(write_random(tmp_path / "x", 10), "x")
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------------- open_store
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/prefix", "gs://b", "/just/a/path", "relative", "ftp://h/x"])
+def test_unknown_scheme_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError, match="supported: file://"):
+        open_store(url)
+
+
+def test_open_store_creates_root_but_not_parents(tmp_path: Path) -> None:
+    store = open_store((tmp_path / "durable").as_uri())
+    try:
+        assert (tmp_path / "durable").is_dir()
+        assert store.url == (tmp_path / "durable").as_uri()
+        assert store.path_for_usage() == (tmp_path / "durable").resolve()
+    finally:
+        store.close()
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_store((tmp_path / "no" / "such" / "durable").as_uri())
+
+
+@pytest.mark.parametrize("url", ["file://host/abs", "file:relative", "file:///x?y=1"])
+def test_malformed_file_urls(url: str) -> None:
+    with pytest.raises(ConfigError):
+        open_store(url)
+
+
+def test_root_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "durable").write_bytes(b"")
+    with pytest.raises(ConfigError, match="not a directory"):
+        open_store((tmp_path / "durable").as_uri())
+
+
+def test_chunk_size_must_be_aligned(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        LocalStore(tmp_path, chunk_size=1000)
