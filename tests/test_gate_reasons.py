@@ -308,3 +308,18 @@ def test_interactive_prompt_wrong_name_refuses_right_name_tears_down(bw: Bw) -> 
     assert code == 0, out
     assert "gone" in out
     assert not (p["watch"] / "cell-a" / "best.pt").exists()
+
+
+def test_nothing_pulled_is_not_pulled(bw: Bw) -> None:
+    p = bw.up(NAME)
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    bw.wait_durable(NAME, 1)
+    assert only_codes(down_dry(bw)) == {"NOT_PULLED"}
+
+
+def test_pulled_but_not_verified_is_not_verified(bw: Bw) -> None:
+    p = bw.up(NAME)
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
+    assert only_codes(down_dry(bw)) == {"NOT_VERIFIED"}

@@ -1,8 +1,9 @@
 """Durable storage: where sealed artifacts are copied, and how a copy is proven.
 
 This package owns the `DurableStore` contract, the `StagedCopy` it hands back, the rule for the
-relative paths (`rel`) that name artifacts inside a store, and `open_store`, which turns the
-configured durable URL into a store. Backends live in their own modules (`local` for `file://`)
+relative paths (`rel`) that name artifacts inside a store, the source side of every backend's
+stage (open a sealed file, then prove it did not change while it was read), and `open_store`,
+which turns the configured durable URL into a store. Backends live in their own modules (`local` for `file://`)
 and are imported only when their scheme is asked for, so an optional client library (boto3 for a
 future `s3://`) is never imported by a box that does not use it.
 
@@ -16,14 +17,17 @@ The push of one artifact is three blocking calls, run by the caller in a bounded
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from sidecar.errors import ConfigError, UnsafePathError
+from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.identity import FileIdentity
 
 logger = logging.getLogger(__name__)
@@ -122,6 +126,52 @@ def split_rel(rel: str) -> tuple[str, ...]:
     if parts[0] == TMP_DIRNAME:
         raise UnsafePathError(f"artifact path {rel!r} is inside the store's reserved {TMP_DIRNAME}/")
     return parts
+
+
+def open_source(src: Path) -> tuple[FileIdentity, int]:
+    """Open a sealed artifact for stage's single read pass; returns its identity and a read fd.
+
+    The identity is taken (lstat) before the open and checked against the opened fd, so the fd is
+    known to be the file the identity describes. The caller closes the fd.
+    Raises ChangedError (gone or replaced), PreconditionError (not a regular file), StorageError.
+    """
+    try:
+        st = os.lstat(src)
+    except FileNotFoundError as exc:
+        raise ChangedError(f"{src} vanished before it could be copied") from exc
+    except OSError as exc:
+        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise PreconditionError(f"{src} is not a regular file; only regular files are artifacts")
+    before = FileIdentity.of(st)
+    # O_NONBLOCK: if the path was swapped for a FIFO after lstat, open must not hang on it.
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
+            raise ChangedError(f"{src} was replaced or removed before it could be copied") from exc
+        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+    if FileIdentity.of(os.fstat(fd)) != before:
+        os.close(fd)
+        raise ChangedError(f"{src} changed between lstat and open; it is still being written")
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    return before, fd
+
+
+def check_source_unchanged(src: Path, before: FileIdentity, fd: int, copied: int) -> None:
+    """Raise ChangedError unless the file behind `fd` and the file at `src` both still have the
+    identity `before`, and exactly `before.size` bytes were read: otherwise the bytes copied are
+    not the sealed file's bytes (it was written, truncated or replaced during the read)."""
+    after_fd = FileIdentity.of(os.fstat(fd))
+    try:
+        after_path: FileIdentity | None = FileIdentity.from_path(src)
+    except OSError:
+        after_path = None
+    if after_fd != before or after_path != before or copied != before.size:
+        raise ChangedError(
+            f"{src} changed while it was copied (identity {before} → {after_path}, "
+            f"{copied} bytes read of {before.size}); it was still being written"
+        )
 
 
 def open_store(url: str) -> DurableStore:

@@ -178,3 +178,18 @@ def test_jobs_run_in_their_own_session_and_exit_codes_are_recorded(tmp_path: Pat
         assert b"hello from job" in log
         kinds = [(pb.EventKind.Name(e.kind), e.detail) for e in d.events() if e.job_id == job.id]
         assert kinds == [("JOB_STARTED", kinds[0][1]), ("JOB_EXITED", "7")]
+
+
+def test_watch_events_streams_live_after_the_replay(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        last = d.events()[-1].seq
+        stream = d.stub.WatchEvents(pb.WatchEventsRequest(after_seq=last), timeout=30)
+        (d.watch / "live.bin").write_bytes(b"live")
+        seen = []
+        for e in stream:
+            seen.append((pb.EventKind.Name(e.kind), e.path))
+            if e.kind == pb.ARTIFACT_DURABLE:
+                break
+        stream.cancel()
+        assert seen[0] == ("ARTIFACT_SEALED", "live.bin")
+        assert seen[-1] == ("ARTIFACT_DURABLE", "live.bin")

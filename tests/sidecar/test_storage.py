@@ -40,7 +40,6 @@ def temps(root: Path) -> list[str]:
 
 @pytest.fixture(params=[True, False], ids=["direct", "buffered"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[LocalStore]:
-    s = LocalStore(tmp_path / "durable", direct_io=request.param) if False else None
     root = tmp_path / "durable"
     root.mkdir()
     s = LocalStore(root.resolve(), direct_io=request.param, chunk_size=SMALL_CHUNK * 64)
@@ -360,9 +359,12 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("direct_io", [True, False], ids=["direct", "buffered"])
-def test_no_space_is_a_storage_error_and_leaves_no_temp(tiny_fs: Path, tmp_path: Path, direct_io: bool) -> None:
-    store = LocalStore.from_url((tiny_fs / "durable").as_uri())
-    store._direct_io = direct_io  # same store, both write paths
+def test_no_space_is_a_storage_error_and_leaves_no_temp(
+    tiny_fs: Path, tmp_path: Path, direct_io: bool
+) -> None:
+    root = tiny_fs / "durable"
+    root.mkdir()
+    store = LocalStore(root, direct_io=direct_io)
     src = write_random(tmp_path / "big", 2 << 20)
     try:
         with pytest.raises(StorageError, match="no space left") as info:
