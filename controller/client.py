@@ -105,7 +105,8 @@ class SidecarClient:
 
     async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
         req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest)
-        return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=60))
+        # It re-reads every durable copy before deleting anything: allow for a large tree.
+        return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=3600))
 
     async def shutdown(self) -> pb.ShutdownResponse:
         return await self._call(

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
+from urllib.parse import quote
 
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
@@ -112,15 +113,24 @@ async def run(s: Settings) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # The write-lease probe (openfiles.write_lease_blocked) can be broken by a writer's open();
+    # the kernel then sends SIGIO, whose default action would end the daemon.
+    signal.signal(signal.SIGIO, signal.SIG_IGN)
 
     ledger = Ledger(s.ledger_path)
     journal = Bell()
     ledger.add_event("SIDECAR_STARTED", detail=f"version {__version__} pid {os.getpid()}")
-    store = open_store(s.durable_url)
+    # Each box has its own corner of the durable store: boxes sharing one URL never overwrite
+    # each other's copies, and clean_tmp only ever touches this box's temp files.
+    store = open_store(f"{s.durable_url.rstrip('/')}/{quote(s.box_name)}")
     leftovers = store.clean_tmp()
     if leftovers:
         logger.info("removed %d leftover durable temp files from an earlier run", leftovers)
+    reset = ledger.bind_store(f"{store.url}#{store.store_id()}")
+    if reset:
+        logger.warning("the durable store changed: %d claims will be pushed and proven again", reset)
     executor = ThreadPoolExecutor(max_workers=s.hash_workers, thread_name_prefix="hash")
+    scan_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan")
 
     def emit(kind: str, job_id: str, detail: str) -> None:
         ledger.add_event(kind, job_id=job_id, detail=detail)
@@ -130,7 +140,13 @@ async def run(s: Settings) -> None:
     await jobs.recover()
     namer = ArtifactNamer(s.watch_dirs, s.temp_patterns)
     sealer = Sealer(
-        namer=namer, ledger=ledger, store=store, executor=executor, settle_s=s.settle_s, notify=journal.ring
+        namer=namer,
+        ledger=ledger,
+        store=store,
+        executor=executor,
+        scan_executor=scan_executor,
+        settle_s=s.settle_s,
+        notify=journal.ring
     )
     watcher = Watcher(s.watch_dirs, loop)
     watcher.start()  # before the first rescan, so nothing written in between is missed
@@ -210,6 +226,8 @@ async def run(s: Settings) -> None:
         await jobs.close()
         ledger.close()
         executor.shutdown(wait=True, cancel_futures=True)
+        scan_executor.shutdown(wait=True, cancel_futures=True)
+        store.close()
         with contextlib.suppress(FileNotFoundError):
             s.pid_path.unlink()
         _remove_stale_socket(s.socket_path)

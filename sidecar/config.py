@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
@@ -54,6 +55,11 @@ class Settings:
         return self.workdir or self.state_dir
 
 
+def _file_url_path(url: str) -> Path | None:
+    parts = urlsplit(url)
+    return Path(unquote(parts.path)) if parts.scheme == "file" and parts.path.startswith("/") else None
+
+
 def load(path: Path) -> Settings:
     """Read and validate a SidecarConfig JSON file."""
     try:
@@ -93,6 +99,24 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         )
     if not msg.durable_url:
         raise fail("durable_url", "a durable storage URL is required (e.g. file:///mnt/durable)")
+    durable_root = _file_url_path(msg.durable_url)
+    for d in watch:
+        w = d.resolve()
+        # (field, path, also refuse it being an ancestor of the watched dir?)
+        others = [
+            ("state_dir", Path(msg.state_dir), False),
+            ("socket_path", Path(msg.socket_path).parent, False),
+        ]
+        if durable_root is not None:
+            others.append(("durable_url", durable_root / msg.box_name, True))
+        for field, other, both_ways in others:
+            o = other.resolve()
+            if o == w or w in o.parents or (both_ways and o in w.parents):
+                raise fail(
+                    field,
+                    f"{other} overlaps the watched directory {d}: the sidecar would claim (and copy) its own "
+                    "files forever; put it outside every watched directory",
+                )
     if msg.workdir and not Path(msg.workdir).is_absolute():
         raise fail("workdir", f"{msg.workdir!r} is not absolute")
     return Settings(

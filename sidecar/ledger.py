@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS claims(
     push_error TEXT NOT NULL DEFAULT '', ended_reason TEXT NOT NULL DEFAULT '');
 CREATE UNIQUE INDEX IF NOT EXISTS claims_one_current ON claims(path) WHERE current = 1;
 CREATE TABLE IF NOT EXISTS jobs(id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
@@ -164,10 +165,25 @@ class Ledger:
             self._event(db, "ARTIFACT_DURABLE", path=row["path"])
             return True
 
-    def mark_push_failed(self, claim_id: int, error: str) -> None:
+    def mark_not_durable(self, claim_id: int, why: str) -> None:
+        """A durable copy that no longer hashes equal: the claim is not durable any more."""
         with self._tx() as db:
             row = db.execute("SELECT path FROM claims WHERE id = ? AND current = 1", (claim_id,)).fetchone()
             if row is None:
+                return
+            db.execute(
+                "UPDATE claims SET durable = 0, durable_at_ns = 0, push_error = ? WHERE id = ?",
+                (why, claim_id),
+            )
+            self._event(db, "PUSH_FAILED", path=row["path"], detail=why)
+
+    def mark_push_failed(self, claim_id: int, error: str) -> None:
+        """Record why a push failed; the journal hears of it once per distinct reason."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT path, push_error FROM claims WHERE id = ? AND current = 1", (claim_id,)
+            ).fetchone()
+            if row is None or row["push_error"] == error:
                 return
             db.execute("UPDATE claims SET push_error = ? WHERE id = ?", (error, claim_id))
             self._event(db, "PUSH_FAILED", path=row["path"], detail=error)
@@ -197,6 +213,23 @@ class Ledger:
             "SELECT * FROM claims WHERE current = 1 AND durable = 0 ORDER BY sealed_at_ns DESC"
         ).fetchall()
         return [_claim(r) for r in rows]
+
+    def bind_store(self, key: str) -> int:
+        """Record which durable store the claims are proven in. If it is not the one they were
+        proven in (another URL, or a new store id: an emptied or re-mounted volume), every current
+        claim goes back to not durable, to be pushed and proven again. Returns how many."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'store'").fetchone()
+            reset = 0
+            if row is not None and row["value"] != key:
+                reset = db.execute(
+                    "UPDATE claims SET durable = 0, durable_at_ns = 0,"
+                    " push_error = 'the durable store changed; pushing again'"
+                    " WHERE current = 1 AND durable = 1"
+                ).rowcount
+                self._event(db, "PUSH_FAILED", detail=f"durable store changed ({row['value']} -> {key})")
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('store', ?)", (key,))
+            return reset
 
     # -- jobs (implements sidecar.jobs.JobStore) -------------------------------------------------
 

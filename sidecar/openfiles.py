@@ -8,8 +8,11 @@ read is counted, so the caller can fail closed instead of trusting a partial sca
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
+import stat
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,3 +110,30 @@ def _is_kernel_thread(pid: str) -> bool:
         return False
     rest = stat[stat.rfind(b")") + 2 :].split()
     return len(rest) > 6 and int(rest[6]) & _PF_KTHREAD != 0
+
+
+def write_lease_blocked(path: Path) -> bool | None:
+    """Ask the kernel whether any process holds `path` open for writing.
+
+    A read lease (F_SETLEASE, F_RDLCK) is refused with EAGAIN exactly when the file is open for
+    writing by anyone — including processes whose /proc entries we cannot read. The lease is
+    dropped at once. True: being written; False: nobody writes it; None: the kernel would not say
+    (not our file and no CAP_LEASE, a filesystem without leases, not a regular file).
+    The process must ignore SIGIO: a writer opening the file in the instant we hold the lease
+    makes the kernel signal us (app.py sets SIG_IGN).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        except OSError as e:
+            return True if e.errno == errno.EAGAIN else None
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return False
+    finally:
+        os.close(fd)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import fnmatch
 import os
 import stat
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Literal
 
 from sidecar.errors import NotFoundError, UnsafePathError
 
@@ -23,6 +25,38 @@ def check_relative(rel: str) -> tuple[str, ...]:
     if any(p in ("", ".", "..") for p in parts):
         raise UnsafePathError(f"unsafe path {rel!r}: empty, '.' or '..' component")
     return parts
+
+
+# Names the controller writes beside a pulled tree; an artifact may not take them.
+RESERVED_TOP = frozenset({"MANIFEST.json", "PULL_VERIFIED.json"})
+
+
+def name_problem(art: str) -> str | None:
+    """Why a file with this artifact path can never be claimed (the controller could not take it)."""
+    try:
+        art.encode("utf-8")
+    except UnicodeEncodeError:
+        return "name is not valid UTF-8"
+    if "\\" in art:
+        return "name contains a backslash"
+    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in art):
+        return "name contains a control character"
+    if art in RESERVED_TOP:
+        return "name is reserved for the pulled tree's own files"
+    return None
+
+
+def display(art: str) -> str:
+    """A printable, wire-safe spelling of any artifact path (non-UTF-8 bytes escaped)."""
+    return art.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    art: str
+    path: Path
+    st: os.stat_result
+    kind: Literal["artifact", "temp", "unclaimable"]
 
 
 class ArtifactNamer:
@@ -52,10 +86,13 @@ class ArtifactNamer:
             return f"{root.name}/{posix}" if self._prefixed else posix
         return None
 
-    def is_candidate(self, path: Path) -> bool:
-        """Under a watched dir and not temp-named (does not look at the disk)."""
+    def claimable(self, path: Path) -> str | None:
+        """The artifact path if a file here could be claimed (under a watched dir, not temp-named,
+        a name the controller can take); else None. Does not look at the disk."""
         art = self.to_artifact(path)
-        return art is not None and not self.is_temp(tuple(art.split("/")))
+        if art is None or self.is_temp(tuple(art.split("/"))) or name_problem(art):
+            return None
+        return art
 
     def to_abs(self, artifact: str) -> Path:
         """The absolute path for an artifact path from the wire; refuses escapes and symlinks."""
@@ -82,25 +119,31 @@ class ArtifactNamer:
         return path
 
     def walk(self) -> list[tuple[str, Path, os.stat_result]]:
-        """Every regular, non-temp file under the watched dirs: (artifact path, abs path, lstat).
+        """Every claimable regular file under the watched dirs: (artifact path, abs path, lstat).
 
         Symlinks are not followed and not listed: a link is not an artifact.
         """
-        out: list[tuple[str, Path, os.stat_result]] = []
+        return [(e.art, e.path, e.st) for e in self.walk_all() if e.kind == "artifact"]
+
+    def walk_all(self) -> list[Entry]:
+        """Every regular file under the watched dirs, temp-named and unclaimable ones included."""
+        out: list[Entry] = []
         for root in self._roots:
-            for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+            for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
                 base = Path(dirpath)
-                dirnames[:] = [d for d in dirnames if not self.is_temp((d,))]
                 for name in filenames:
                     p = base / name
                     try:
                         st = os.lstat(p)
-                    except FileNotFoundError:
-                        continue
-                    if not stat.S_ISREG(st.st_mode):
+                    except OSError:
                         continue
                     art = self.to_artifact(p)
-                    if art is None or self.is_temp(tuple(art.split("/"))):
+                    if art is None or not stat.S_ISREG(st.st_mode):
                         continue
-                    out.append((art, p, st))
+                    if self.is_temp(tuple(art.split("/"))):
+                        out.append(Entry(art, p, st, "temp"))
+                    elif name_problem(art):
+                        out.append(Entry(art, p, st, "unclaimable"))
+                    else:
+                        out.append(Entry(art, p, st, "artifact"))
         return out

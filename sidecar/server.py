@@ -146,7 +146,8 @@ class SidecarService:
                 )
             if not 0 <= request.offset <= claim.size:
                 raise PreconditionError(f"offset {request.offset} is outside 0..{claim.size}")
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO swapped in for the file must not wedge the event loop on open().
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             await abort(context, NotFoundError(f"{request.path!r} is no longer on the box"))
         except SidecarError as e:

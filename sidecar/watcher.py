@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Literal
 
 from watchdog.events import (
+    DirCreatedEvent,
     DirDeletedEvent,
     DirMovedEvent,
     FileClosedEvent,
+    FileCreatedEvent,
     FileDeletedEvent,
     FileMovedEvent,
     FileSystemEvent,
@@ -47,14 +49,16 @@ class _Handler(FileSystemEventHandler):
         self._loop.call_soon_threadsafe(self._queue.put_nowait, change)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if isinstance(event, FileClosedEvent):
+        if isinstance(event, FileClosedEvent | FileCreatedEvent):
+            # Created: a file renamed or hard-linked in from outside the watched tree arrives with
+            # no close event. Settling (and the open-for-write check) keeps early seals out.
             self._put(FsChange("done", _as_path(event.src_path)))
         elif isinstance(event, FileMovedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
             self._put(FsChange("done", _as_path(event.dest_path)))
         elif isinstance(event, FileDeletedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
-        elif isinstance(event, DirMovedEvent | DirDeletedEvent):
+        elif isinstance(event, DirMovedEvent | DirDeletedEvent | DirCreatedEvent):
             # A whole directory moved or vanished: cheaper and safer to rescan than to guess.
             self._put(FsChange("rescan", _as_path(event.src_path)))
 

@@ -113,7 +113,8 @@ class Bw:
     def up(self, name: str, *extra: str, watch: str = "ckpt") -> dict[str, Path]:
         self.ok("up", name, "--profile", "local", "--workdir", str(self.cwd), "--watch", watch, *extra)
         box_dir = self.home / "boxes" / name
-        return {"watch": self.cwd / watch, "box_dir": box_dir, "durable": box_dir / "durable"}
+        # Each box keeps its durable copies under its own name inside the durable URL.
+        return {"watch": self.cwd / watch, "box_dir": box_dir, "durable": box_dir / "durable" / name}
 
     def artifacts(self, name: str) -> dict[str, Any]:
         return self.json("artifacts", name)

@@ -37,6 +37,9 @@ SUPPORTED_SCHEMES = ("file",)
 TMP_DIRNAME = ".boxwarden-tmp"
 """Directory under a store's root that holds copies in flight; never a valid first `rel` part."""
 
+ID_NAME = ".boxwarden-store-id"
+"""File under a store's root holding its random id (see `DurableStore.store_id`); reserved too."""
+
 
 @dataclass(frozen=True, slots=True)
 class StagedCopy:
@@ -94,6 +97,11 @@ class DurableStore(Protocol):
         """Remove temp copies left by a crash; returns how many. Call only when no stage is running."""
         ...
 
+    def store_id(self) -> str:
+        """A random id kept inside the store, made on first use. A different id means a different
+        (or emptied, or re-mounted) store: claims proven in the old one prove nothing here."""
+        ...
+
     def path_for_usage(self) -> Path:
         """A local path on the store's filesystem, for `os.statvfs` (free space, inodes)."""
         ...
@@ -123,6 +131,8 @@ def split_rel(rel: str) -> tuple[str, ...]:
                 f"artifact path {rel!r} has a {part or 'empty'!r} component; "
                 "only plain names separated by single '/' are allowed"
             )
+    if parts[0] == ID_NAME:
+        raise UnsafePathError(f"artifact path {rel!r} is the store's reserved id file")
     if parts[0] == TMP_DIRNAME:
         raise UnsafePathError(f"artifact path {rel!r} is inside the store's reserved {TMP_DIRNAME}/")
     return parts

@@ -35,6 +35,7 @@ from urllib.parse import unquote, urlsplit
 from sidecar import hashing
 from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.storage import (
+    ID_NAME,
     TMP_DIRNAME,
     Progress,
     StagedCopy,
@@ -121,6 +122,8 @@ class LocalStore:
         commit's fsync has no data left to flush, and nothing stale can be re-read by verify.
         It turns itself off on filesystems that refuse O_DIRECT.
         """
+        if not root.is_absolute():
+            raise ValueError(f"root must be absolute, got {root}")
         if chunk_size <= 0 or chunk_size % _ALIGN:
             raise ValueError(f"chunk_size must be a positive multiple of {_ALIGN}, got {chunk_size}")
         self.root = root
@@ -193,8 +196,8 @@ class LocalStore:
         except OSError as exc:
             raise _storage_error("creating temp directory", self._tmp_dir, exc) from exc
         try:
-            dir_fd = os.open(self._tmp_dir, _DIR_FLAGS)
-        except OSError as exc:
+            dir_fd = self._open_tmp_dir()
+        except FileNotFoundError as exc:
             raise _storage_error("opening temp directory", self._tmp_dir, exc) from exc
         try:
             direct = self._direct_io and size >= _DIRECT_MIN
@@ -249,7 +252,8 @@ class LocalStore:
                     break
                 view = memoryview(buf)[:n]
                 if direct and n % _ALIGN:
-                    # Only the last chunk can be short, and O_DIRECT takes aligned lengths only.
+                    # A short read (normally the last one) leaves an unaligned length, and O_DIRECT
+                    # takes aligned lengths only: the rest of the copy goes through the page cache.
                     while writes:
                         self._finish_write(writes.popleft(), tmp_path, direct)
                     fcntl.fcntl(out_fd, fcntl.F_SETFL, fcntl.fcntl(out_fd, fcntl.F_GETFL) & ~os.O_DIRECT)
@@ -328,6 +332,8 @@ class LocalStore:
                 _close(dfd)
 
     def discard(self, staged: StagedCopy) -> None:
+        if staged.tmp_path.parent != self._tmp_dir:
+            raise PreconditionError(f"{staged.tmp_path} was not staged by the store at {self.url}")
         try:
             os.unlink(staged.tmp_path)
         except FileNotFoundError:
@@ -371,7 +377,25 @@ class LocalStore:
         ok: bool = hasher.hexdigest() == digest
         if not ok:
             logger.warning("durable copy %s does not hash to its claim %s", path, digest)
-        return ok
+            return False
+        # The bytes are right; make sure the name is too. A kill between commit's rename and its
+        # directory fsync leaves a rename that a power cut could still undo.
+        self._sync_dirs(split_rel(rel)[:-1], path)
+        return True
+
+    def _sync_dirs(self, parts: tuple[str, ...], path: Path) -> None:
+        try:
+            dir_fds, _ = self._walk_dirs(parts, create=False)
+        except (FileNotFoundError, NotADirectoryError) as exc:
+            raise StorageError(f"{path} vanished while being verified") from exc
+        try:
+            for dfd in reversed(dir_fds):
+                os.fsync(dfd)
+        except OSError as exc:
+            raise _storage_error("flushing directories of", path, exc) from exc
+        finally:
+            for dfd in dir_fds:
+                _close(dfd)
 
     def exists(self, rel: str) -> bool:
         fd = self._open_final(rel)
@@ -383,22 +407,60 @@ class LocalStore:
     def path_for_usage(self) -> Path:
         return self.root
 
+    def store_id(self) -> str:
+        path = self.root / ID_NAME
+        try:
+            return path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise _storage_error("reading store id", path, exc) from exc
+        new = uuid.uuid4().hex
+        tmp = self._tmp_dir / f"id-{new}"
+        try:
+            self._tmp_dir.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, new.encode() + b"\n")
+                os.fsync(fd)
+            finally:
+                _close(fd)
+            # link() fails if another sidecar made one first: then theirs is the store's id.
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return path.read_text(encoding="ascii").strip()
+            finally:
+                os.unlink(tmp)
+            dfd = os.open(self.root, _DIR_FLAGS)
+            try:
+                os.fsync(dfd)
+            finally:
+                _close(dfd)
+        except OSError as exc:
+            raise _storage_error("writing store id", path, exc) from exc
+        return new
+
     def clean_tmp(self) -> int:
         try:
-            names = os.listdir(self._tmp_dir)
+            dir_fd = self._open_tmp_dir()
         except FileNotFoundError:
             return 0
-        except OSError as exc:
-            raise _storage_error("listing temp directory", self._tmp_dir, exc) from exc
         removed = 0
-        for name in names:
-            try:
-                os.unlink(self._tmp_dir / name)
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                raise _storage_error("removing leftover temp copy", self._tmp_dir / name, exc) from exc
-            removed += 1
+        try:
+            for name in os.listdir(dir_fd):
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    continue
+                except IsADirectoryError:  # not ours: we only ever create files here
+                    logger.warning("leaving unexpected directory %s", self._tmp_dir / name)
+                    continue
+                except OSError as exc:
+                    raise _storage_error("removing leftover temp copy", self._tmp_dir / name, exc) from exc
+                removed += 1
+        finally:
+            _close(dir_fd)
         if removed:
             logger.info("removed %d leftover temp copies from %s", removed, self._tmp_dir)
         return removed
@@ -475,6 +537,19 @@ class LocalStore:
             _close(fd)
             return None
         return fd
+
+    def _open_tmp_dir(self) -> int:
+        """Open the temp directory without following a symlink; FileNotFoundError if missing."""
+        try:
+            return os.open(self._tmp_dir, _DIR_FLAGS)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            if self._tmp_dir.is_symlink():
+                raise UnsafePathError(
+                    f"{self._tmp_dir} is a symlink; nothing under the durable root may be one"
+                ) from exc
+            raise _storage_error("opening temp directory", self._tmp_dir, exc) from exc
 
     @staticmethod
     def _refuse_symlink(path: Path, name: str, dir_fd: int) -> None:

@@ -74,6 +74,11 @@ class Daemon:
             self.proc.wait(timeout=30)
             self.proc = None
 
+    @property
+    def store(self) -> Path:
+        """Where this box's durable copies live: the durable URL's dir, then the box name."""
+        return self.durable / "t1"
+
     def claims(self) -> list[pb.Claim]:
         return list(self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10).claims)
 

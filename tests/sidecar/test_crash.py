@@ -56,15 +56,15 @@ def test_kill9_while_pushing_never_leaves_a_false_durable_claim(tmp_path: Path, 
                 os.replace(tmp, target)
             time.sleep(rng.uniform(0.0, 0.6))  # the random moment of the kill, not a wait for a result
             d.kill(signal.SIGKILL)
-            assert_no_false_durable(ledger, d.durable)
+            assert_no_false_durable(ledger, d.store)
             d.start()
-            assert_no_false_durable(ledger, d.durable)
+            assert_no_false_durable(ledger, d.store)
         expected = 2 * ROUNDS - (ROUNDS - 1)  # latest.pt once + step-0..19
         claims = d.wait_durable(expected, timeout=180)
-        assert assert_no_false_durable(ledger, d.durable) == expected
+        assert assert_no_false_durable(ledger, d.store) == expected
         latest = next(c for c in claims if c.path == "cell-a/latest.pt")
         assert latest.blake3 == blake3.blake3((d.watch / "cell-a" / "latest.pt").read_bytes()).hexdigest()
-        leftovers = [p for p in d.durable.rglob("*") if p.is_file() and ".boxwarden-tmp" in p.parts]
+        leftovers = [p for p in d.store.rglob("*") if p.is_file() and ".boxwarden-tmp" in p.parts]
         assert leftovers == [], "temp copies from killed pushes are cleaned at start"
     finally:
         d.kill(signal.SIGTERM)

@@ -28,11 +28,11 @@ def test_close_after_write_is_sealed_pushed_and_proven(tmp_path: Path) -> None:
         src = d.watch / "cell-a" / "best.pt"
         assert claim.path == "cell-a/best.pt"
         assert claim.size == src.stat().st_size
-        assert claim.blake3 == b3(src) == b3(d.durable / "cell-a" / "best.pt")
+        assert claim.blake3 == b3(src) == b3(d.store / "cell-a" / "best.pt")
         kinds = [pb.EventKind.Name(e.kind) for e in d.events()]
         assert kinds.index("ARTIFACT_SEALED") < kinds.index("ARTIFACT_DURABLE")
         # The temp name of the atomic save was never claimed nor pushed.
-        assert not list(d.durable.rglob("*.tmp"))
+        assert not list(d.store.rglob("*.tmp"))
 
 
 def test_temp_names_are_never_sealed(tmp_path: Path) -> None:
@@ -58,7 +58,7 @@ def test_a_changed_file_gets_a_new_claim_not_an_edit(tmp_path: Path) -> None:
             lambda: [c for c in d.claims() if c.blake3 != first.blake3 and c.durable], what="the new claim"
         )[0]
         assert second.seq > first.seq
-        assert second.blake3 == b3(f) == b3(d.durable / "m.json")
+        assert second.blake3 == b3(f) == b3(d.store / "m.json")
         sealed = [e for e in d.events() if e.kind == pb.ARTIFACT_SEALED and e.path == "m.json"]
         assert [e.blake3 for e in sealed] == [first.blake3, second.blake3]
 

@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.hashing import MMAP_THRESHOLD, hash_file, is_digest, new_hasher
-from sidecar.storage import TMP_DIRNAME, StagedCopy, open_store
+from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, open_store
 from sidecar.storage.local import LocalStore
 
 EMPTY_DIGEST = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
@@ -252,7 +252,10 @@ def test_progress_error_leaves_no_temp(store: LocalStore, tmp_path: Path) -> Non
 
 # ------------------------------------------------------------------------------------ unsafe rels
 
-UNSAFE = ["", "/abs", "../x", "a/../../x", "a//b", "a/./b", ".", "a/", "a\x00b", f"{TMP_DIRNAME}/x", "a/.."]
+UNSAFE = [
+    *("", "/abs", "../x", "a/../../x", "a//b", "a/./b", ".", "a/", "a\x00b", "a/.."),
+    *(f"{TMP_DIRNAME}/x", ID_NAME),
+]
 
 
 @pytest.mark.parametrize("rel", UNSAFE)
@@ -312,6 +315,46 @@ def test_clean_tmp_removes_leftovers(store: LocalStore, tmp_path: Path) -> None:
     assert temps(store.root) == []
 
 
+def test_symlinked_tmp_dir_is_refused(store: LocalStore, tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious").write_bytes(b"keep me")
+    (store.root / TMP_DIRNAME).symlink_to(elsewhere)
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.clean_tmp()
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.stage(write_random(tmp_path / "x", 10), "x")
+    assert (elsewhere / "precious").read_bytes() == b"keep me"
+
+
+def test_directory_at_final_name_is_a_storage_error(store: LocalStore, tmp_path: Path) -> None:
+    (store.root / "ckpt").mkdir()
+    staged = store.stage(write_random(tmp_path / "x", 10), "ckpt")
+    with pytest.raises(StorageError, match="ckpt"):
+        store.commit(staged)
+    assert temps(store.root) == []
+
+
+def test_file_where_a_directory_should_be(store: LocalStore, tmp_path: Path) -> None:
+    src = write_random(tmp_path / "x", 10)
+    push(store, src, "a")
+    with pytest.raises(StorageError, match="a file sits where a directory is expected"):
+        store.commit(store.stage(src, "a/b"))
+    assert temps(store.root) == []
+
+
+def test_store_id_is_made_once_and_kept(store: LocalStore, tmp_path: Path) -> None:
+    first = store.store_id()
+    assert first == store.store_id()
+    with LocalStoreClosing(LocalStore(store.root)) as same_root:
+        assert same_root.store_id() == first
+    other = tmp_path / "other-root"
+    other.mkdir()
+    with LocalStoreClosing(LocalStore(other.resolve())) as other_store:
+        assert other_store.store_id() != first
+    assert temps(store.root) == []
+
+
 def test_foreign_staged_copy_is_refused(store: LocalStore, tmp_path: Path) -> None:
     other = tmp_path / "other-root"
     other.mkdir()
@@ -319,6 +362,9 @@ def test_foreign_staged_copy_is_refused(store: LocalStore, tmp_path: Path) -> No
         staged = second.stage(write_random(tmp_path / "x", 10), "x")
     with pytest.raises(PreconditionError, match="not staged by"):
         store.commit(staged)
+    with pytest.raises(PreconditionError, match="not staged by"):
+        store.discard(staged)
+    assert staged.tmp_path.exists()
 
 
 class LocalStoreClosing:
@@ -422,6 +468,8 @@ def test_root_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
         open_store((tmp_path / "durable").as_uri())
 
 
-def test_chunk_size_must_be_aligned(tmp_path: Path) -> None:
+def test_constructor_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="multiple of 4096"):
         LocalStore(tmp_path, chunk_size=1000)
+    with pytest.raises(ValueError, match="absolute"):
+        LocalStore(Path("relative"))
