@@ -6,6 +6,7 @@ deadline; streams have none (they end when the sidecar ends them or the caller s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from types import TracebackType
@@ -23,6 +24,7 @@ T = TypeVar("T")
 
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 MAX_MESSAGE = 8 << 20
+STREAM_IDLE_S = 60.0
 
 
 def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
@@ -126,17 +128,33 @@ class SidecarClient:
 
     def watch_events(self, after_seq: int = 0, *, replay_only: bool = False) -> AsyncIterator[pb.Event]:
         req = pb.WatchEventsRequest(after_seq=after_seq, replay_only=replay_only)
-        return self._stream("WatchEvents", lambda: self.stub.WatchEvents(req))
+        return self._stream("WatchEvents", lambda: self.stub.WatchEvents(req), idle_s=None)
 
     def tail_log(
         self, job_id: str, offset: int = 0, *, follow: bool = False
     ) -> AsyncIterator[pb.TailLogChunk]:
         req = pb.TailLogRequest(job_id=job_id, offset=offset, follow=follow)
-        return self._stream("TailLog", lambda: self.stub.TailLog(req))
+        # A quiet job sends nothing for a long time: no idle limit when following.
+        idle = None if follow else STREAM_IDLE_S
+        return self._stream("TailLog", lambda: self.stub.TailLog(req), idle_s=idle)
 
-    async def _stream(self, what: str, make: Callable[[], AsyncIterable[T]]) -> AsyncIterator[T]:
+    async def _stream(
+        self, what: str, make: Callable[[], AsyncIterable[T]], *, idle_s: float | None = STREAM_IDLE_S
+    ) -> AsyncIterator[T]:
+        """Iterate a server stream; a sidecar that sends nothing for idle_s seconds is unreachable."""
+        it = aiter(make())
         try:
-            async for item in make():
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(it), timeout=idle_s)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError as e:
+                    raise SidecarUnreachable(f"{what}: the sidecar sent nothing for {idle_s:.0f}s") from e
                 yield item
         except grpc.aio.AioRpcError as e:
             raise translate(e, what) from e
+        finally:
+            cancel = getattr(it, "cancel", None)
+            if cancel is not None:
+                cancel()

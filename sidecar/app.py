@@ -146,7 +146,7 @@ async def run(s: Settings) -> None:
         executor=executor,
         scan_executor=scan_executor,
         settle_s=s.settle_s,
-        notify=journal.ring
+        notify=journal.ring,
     )
     watcher = Watcher(s.watch_dirs, loop)
     watcher.start()  # before the first rescan, so nothing written in between is missed

@@ -111,3 +111,18 @@ def test_counts_processes_it_may_not_inspect(root: Path) -> None:
     )
     # Root may be refused too (a sandbox's protected init is), but never for its own processes.
     assert int(out.stdout) > open_for_write([root]).unreadable_pids
+
+
+def test_write_lease_says_whether_anyone_writes_the_file(tmp_path: Path) -> None:
+    from sidecar.openfiles import write_lease_blocked
+
+    f = tmp_path / "ckpt.pt"
+    f.write_bytes(b"x")
+    assert write_lease_blocked(f) is False
+    with open(f, "ab"):
+        assert write_lease_blocked(f) is True
+    with open(f, "rb"):
+        assert write_lease_blocked(f) is False
+    assert write_lease_blocked(tmp_path / "missing") is None
+    os.mkfifo(tmp_path / "fifo")
+    assert write_lease_blocked(tmp_path / "fifo") is None
