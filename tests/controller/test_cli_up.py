@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tests.conftest import Bw, pid_alive, save_ckpt
@@ -97,3 +98,12 @@ def test_verify_json_and_marker_binding(bw: Bw, tmp_path: Path) -> None:
     manifest = json.loads((pulled / "MANIFEST.json").read_text())
     assert manifest["schema"] == "boxwarden.manifest/1"
     assert manifest["instance"] == "b1" and manifest["roster"] == ["cell-a"]
+
+
+def test_run_then_logs_follow_until_the_job_exits(bw: Bw) -> None:
+    bw.up("b1")
+    script = "import time\nfor i in range(3):\n    print('line', i, flush=True)\n    time.sleep(0.2)\n"
+    job = json.loads(bw.ok("run", "b1", "--json", "--", sys.executable, "-c", script).stdout)
+    r = bw.ok("logs", "b1", "--job", job["id"], "-f")  # returns only once the job has exited
+    assert r.stdout.splitlines() == ["line 0", "line 1", "line 2"]
+    assert bw.ok("logs", "b1").stdout == r.stdout  # newest job by default
