@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from sidecar.errors import ChangedError, PreconditionError, SidecarError, StorageError
-from sidecar.hashing import hash_file
+from sidecar.hashing import hash_file_read
 from sidecar.identity import FileIdentity
 from sidecar.ledger import ClaimRow, Ledger
 from sidecar.manifest import manifest_digest
@@ -210,7 +210,8 @@ class Sealer:
             return
         if staged is None:
             # The durable store is failing; the artifact still gets its claim, from a plain hash.
-            digest = await self._run(hash_file, path)
+            # Read-based: the trainer may truncate this file under us, and a mapped read would SIGBUS.
+            digest = await self._run(hash_file_read, path)
             if _identity(path) != ident:
                 self._again.add(art)
                 return

@@ -357,7 +357,7 @@ class LocalStore:
             hasher = hashing.new_hasher(update_size=hashing.VERIFY_CHUNK)
             buf = bytearray(hashing.VERIFY_CHUNK)
             view = memoryview(buf)
-            done = advised = 0
+            done = advised = dropped = 0
             while True:
                 # Plain sequential reads of a freshly written file ran at half the device's speed
                 # here (one readahead stream, mostly waiting); asking for the next READ_AHEAD bytes
@@ -368,7 +368,12 @@ class LocalStore:
                     break
                 hasher.update(view[:n])
                 done += n
-            # Leave nothing behind: the copy is for the future, not for this box's page cache.
+                if done - dropped >= READ_AHEAD:
+                    # Leave nothing behind as we go: the copy is for the future, not for this box's
+                    # page cache (a 20 GiB checkpoint would evict the trainer's), and freeing pages
+                    # while the device works costs less than freeing them all at the end.
+                    os.posix_fadvise(fd, dropped, done - dropped, os.POSIX_FADV_DONTNEED)
+                    dropped = done
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise _storage_error("re-reading durable copy", path, exc) from exc

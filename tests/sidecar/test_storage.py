@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
-from sidecar.hashing import MMAP_THRESHOLD, hash_file, is_digest, new_hasher
+from sidecar.hashing import MMAP_THRESHOLD, hash_file, hash_file_read, is_digest, new_hasher
 from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, open_store
 from sidecar.storage.local import LocalStore
 
@@ -63,7 +63,7 @@ def push(store: LocalStore, src: Path, rel: str) -> StagedCopy:
 def test_hash_file_matches_b3sum(tmp_path: Path, size: int) -> None:
     src = write_random(tmp_path / "f", size)
     digest = hash_file(src)
-    assert digest == b3sum(src)
+    assert digest == b3sum(src) == hash_file_read(src)
     assert is_digest(digest)
 
 

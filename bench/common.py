@@ -1,0 +1,235 @@
+"""What every figure shares: the work directory and its random source file, page-cache control,
+interleaved timing of ours vs a baseline, and the result record that ends up in results.json."""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+_WRITE_CHUNK = 16 * MiB
+_MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "overlay-tmpfs"}
+
+
+@dataclass
+class Timing:
+    """One timed run: total seconds, plus named parts of it (e.g. stage/commit/verify)."""
+
+    total: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Side:
+    """One side of a comparison: what was run, and every run's timing."""
+
+    label: str
+    runs: list[Timing] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(t.total for t in self.runs)
+
+    def to_json(self) -> dict[str, Any]:
+        parts = sorted({k for t in self.runs for k in t.parts})
+        return {
+            "label": self.label,
+            "median_s": round(self.median_s, 4),
+            "runs_s": [round(t.total, 4) for t in self.runs],
+            "parts_median_s": {
+                k: round(statistics.median(t.parts[k] for t in self.runs if k in t.parts), 4) for k in parts
+            },
+        }
+
+
+@dataclass
+class FigureResult:
+    """A figure as DESIGN.md §9 states it: ours against a baseline, as a ratio with a target."""
+
+    key: str
+    title: str
+    ours: Side
+    baseline: Side
+    ratio_kind: str  # "throughput" (ours/baseline, higher is better) or "time" (lower is better)
+    target: float
+    size_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        if self.ratio_kind == "throughput":  # same bytes on both sides: throughput ratio = 1/time ratio
+            return self.baseline.median_s / self.ours.median_s
+        return self.ours.median_s / self.baseline.median_s
+
+    @property
+    def target_text(self) -> str:
+        return f"≥ {self.target:g}" if self.ratio_kind == "throughput" else f"≤ {self.target:g}"
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio >= self.target if self.ratio_kind == "throughput" else self.ratio <= self.target
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "title": self.title,
+            "size_bytes": self.size_bytes,
+            "ours": self.ours.to_json(),
+            "baseline": self.baseline.to_json(),
+            "ratio_kind": self.ratio_kind,
+            "ratio": round(self.ratio, 4),
+            "target": self.target_text,
+            "pass": self.passed,
+            "notes": self.notes,
+        }
+
+
+@dataclass
+class Context:
+    """The run's settings and its work directory (removed by the caller at the end)."""
+
+    work_dir: Path
+    size: int
+    runs: int
+    _src: Path | None = None
+
+    def source_file(self) -> Path:
+        """A `size`-byte file of random bytes, flushed to disk once so later figures never time its
+        writeback; created on first use and shared by every figure."""
+        if self._src is None:
+            path = self.work_dir / "src.bin"
+            write_random_file(path, self.size)
+            self._src = path
+        return self._src
+
+
+def write_random_file(path: Path, size: int) -> None:
+    with open(path, "wb") as f:
+        left = size
+        while left:
+            n = min(left, _WRITE_CHUNK)
+            f.write(os.urandom(n))
+            left -= n
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def make_hot(path: Path) -> None:
+    """Read the whole file so it sits in the page cache, as a file a trainer just wrote does."""
+    buf = bytearray(_WRITE_CHUNK)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def drop_from_cache(path: Path) -> None:
+    """Flush and drop the file's pages, as the sidecar's verify does before re-reading a copy."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def quiesce() -> None:
+    """Let pending writeback (an unlinked copy, a previous run) finish before the clock starts."""
+    os.sync()
+
+
+def interleaved(
+    runs: int, ours: Callable[[], Timing], baseline: Callable[[], Timing], o: Side, b: Side
+) -> None:
+    """Run both sides `runs` times, alternating which goes first, so drift hits both alike."""
+    for r in range(runs):
+        pair = ((ours, o), (baseline, b)) if r % 2 == 0 else ((baseline, b), (ours, o))
+        for fn, side in pair:
+            side.runs.append(fn())
+        print(
+            f"  run {r + 1}/{runs}: ours {o.runs[-1].total:.3f} s, baseline {b.runs[-1].total:.3f} s",
+            file=sys.stderr,
+        )
+
+
+def clock() -> float:
+    return time.perf_counter()
+
+
+def run_quiet(argv: list[str]) -> str:
+    """Run a baseline command; its stdout, or a clear failure."""
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed (rc {proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def fs_type(path: Path) -> str:
+    """Filesystem type of the mount holding `path` (longest mount-point prefix in /proc/self/mounts)."""
+    target = os.path.realpath(path)
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                mnt = fields[1].replace("\\040", " ")
+                inside = target == mnt or target.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, kind = mnt, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def is_memory_fs(path: Path) -> bool:
+    return fs_type(path) in _MEMORY_FS
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return "missing"
+
+
+def machine_info(work_dir: Path) -> dict[str, Any]:
+    import blake3
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "hostname": platform.node(),
+        "kernel": platform.release(),
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "blake3_py": blake3.__version__,
+        "b3sum": tool_version(["b3sum", "--version"]),
+        "cp": tool_version(["cp", "--version"]).splitlines()[0] if shutil.which("cp") else "missing",
+        "work_dir": str(work_dir),
+        "work_dir_fs": fs_type(work_dir),
+        "loadavg_at_start": os.getloadavg(),
+    }

@@ -1,0 +1,92 @@
+"""Figure: seal → durable+verified, 1 GiB, file:// — `stage + commit + verify` vs the shell way.
+
+Baseline: `cp src dst && sync dst`, drop dst from the page cache (posix_fadvise DONTNEED, as our
+verify does), then `b3sum src dst` — copy, make durable, and prove the copy equals the source.
+Ours: `LocalStore.stage` (one pass: hash + copy), `commit` (fsync, rename, fsync dirs), `verify`
+(drop, re-read from the device, compare with the claim digest).
+
+Before every run of either side: the source is hot in the page cache (as a file a trainer has just
+written), the destination does not exist, and pending writeback has been flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from bench.common import (
+    Context,
+    FigureResult,
+    Side,
+    Timing,
+    clock,
+    drop_from_cache,
+    interleaved,
+    make_hot,
+    quiesce,
+    remove,
+    run_quiet,
+)
+from sidecar.storage.local import LocalStore
+
+logger = logging.getLogger(__name__)
+
+KEY = "seal-durable"
+TITLE = "seal → durable+verified, file://"
+TARGET = 0.95  # ≤ 0.95× the baseline's time
+REL = "run-0001/ckpt.bin"
+
+
+def run(ctx: Context) -> FigureResult:
+    src = ctx.source_file()
+    dst = ctx.work_dir / "baseline-dst.bin"
+    durable_root = ctx.work_dir / "durable"
+    durable_root.mkdir(exist_ok=True)
+    store = LocalStore.from_url(durable_root.as_uri())
+    copy = durable_root / REL
+    expected: set[str] = set()
+
+    def prepare() -> None:
+        remove(dst)
+        remove(copy)
+        quiesce()
+        make_hot(src)
+
+    def ours() -> Timing:
+        prepare()
+        t0 = clock()
+        staged = store.stage(src, REL)
+        t1 = clock()
+        store.commit(staged)
+        t2 = clock()
+        ok = store.verify(REL, staged.digest)
+        t3 = clock()
+        if not ok:
+            raise RuntimeError(f"{KEY}: verify of a fresh copy failed")
+        expected.add(staged.digest)
+        return Timing(t3 - t0, {"stage": t1 - t0, "commit": t2 - t1, "verify": t3 - t2})
+
+    def baseline() -> Timing:
+        prepare()
+        t0 = clock()
+        run_quiet(["sh", "-c", 'cp -- "$1" "$2" && sync -- "$2"', "sh", str(src), str(dst)])
+        t1 = clock()
+        drop_from_cache(dst)
+        out = run_quiet(["b3sum", "--no-names", str(src), str(dst)])
+        t2 = clock()
+        lines = out.split()
+        if len(lines) != 2 or lines[0] != lines[1]:
+            raise RuntimeError(f"{KEY}: baseline copy differs from its source: {lines}")
+        expected.add(lines[0])
+        return Timing(t2 - t0, {"cp+sync": t1 - t0, "drop+b3sum": t2 - t1})
+
+    o = Side("LocalStore stage+commit+verify")
+    b = Side("cp && sync; fadvise DONTNEED dst; b3sum src dst")
+    try:
+        interleaved(ctx.runs, ours, baseline, o, b)
+    finally:
+        store.close()
+        remove(dst)
+        remove(copy)
+    if len(expected) != 1:
+        raise RuntimeError(f"{KEY}: the two sides saw different digests: {sorted(expected)}")
+    return FigureResult(KEY, TITLE, o, b, "time", TARGET, ctx.size)
