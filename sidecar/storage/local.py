@@ -12,8 +12,8 @@ This module owns the copy, commit and proof of one artifact on a POSIX filesyste
 - verify: drop the copy from the page cache, then re-read it from the device and hash it; a
   verification that reads cached pages proves nothing about the disk.
 
-Paths inside the root are walked one component at a time with directory fds and O_NOFOLLOW, so a
-symlink planted anywhere under the root is refused instead of followed.
+Paths inside the root are walked without following symlinks (`tree.py`); the low-level reads,
+writes and the device re-read live in `fsio.py`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import itertools
 import logging
 import mmap
 import os
-import stat
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,7 +32,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from sidecar import hashing
-from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
+from sidecar.errors import ConfigError, PreconditionError, StorageError
 from sidecar.storage import (
     ID_NAME,
     TMP_DIRNAME,
@@ -43,59 +42,31 @@ from sidecar.storage import (
     open_source,
     split_rel,
 )
+from sidecar.storage.fsio import (
+    CHILD_VERIFY_MIN,
+    close_fd,
+    hash_by_read,
+    hash_in_child,
+    pwrite_all,
+    storage_error,
+)
+from sidecar.storage.tree import (
+    DIR_FLAGS,
+    open_final,
+    open_tmp_dir,
+    refuse_symlink,
+    remove_quietly,
+    walk_dirs,
+)
 
 logger = logging.getLogger(__name__)
 
 WRITEBACK_WINDOW = 64 << 20
 """Buffered copies only: bytes written between two writeback kicks during stage."""
 
-READ_AHEAD = 64 << 20
-"""verify: bytes requested from the device ahead of the hash (POSIX_FADV_WILLNEED)."""
-
 _BUFFERS = 3  # chunk buffers per stage: one being read and hashed, up to three being written
 _ALIGN = 4096  # O_DIRECT offset/length alignment that every common block device accepts
 _DIRECT_MIN = 1 << 20  # below this, the page cache costs nothing worth avoiding
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-_HINTS = {
-    errno.ENOSPC: "no space left: free space on the durable store or point the durable URL at a larger one",
-    errno.EDQUOT: "disk quota exceeded on the durable store: raise the quota or free space",
-    errno.EACCES: "permission denied: the sidecar's user must be able to write the durable root",
-    errno.EPERM: "operation not permitted: check the durable root's owner and mount options",
-    errno.EROFS: "the durable store is mounted read-only: remount it read-write",
-    errno.ENOENT: "it is missing: is the durable store mounted?",
-    errno.EXDEV: "it crosses a filesystem boundary: the durable root must not contain other mounts",
-    errno.EIO: "the device reported an I/O error: check the disk (dmesg) before trusting it",
-    errno.ENOTDIR: "a file sits where a directory is expected",
-    errno.EISDIR: "a directory sits where the artifact should go",
-}
-
-
-def _storage_error(action: str, path: Path | str, exc: OSError) -> StorageError:
-    hint = _HINTS.get(exc.errno or 0, "check the durable store")
-    return StorageError(f"{action} {path} failed: {exc.strerror or exc}; {hint}")
-
-
-def _close(fd: int) -> None:
-    try:
-        os.close(fd)
-    except OSError as exc:  # an fd we own and close once; a failure here is only worth a note
-        logger.warning("closing fd %d failed: %s", fd, exc)
-
-
-def _read_ahead(fd: int, done: int, advised: int) -> int:
-    """Ask the kernel to start reading up to READ_AHEAD bytes past `done`; returns the new mark."""
-    if done + READ_AHEAD > advised:
-        os.posix_fadvise(fd, advised, done + READ_AHEAD - advised, os.POSIX_FADV_WILLNEED)
-        advised = done + READ_AHEAD
-    return advised
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
 
 
 class _DirectUnsupported(Exception):
@@ -113,6 +84,7 @@ class LocalStore:
         url: str | None = None,
         chunk_size: int = hashing.STAGE_CHUNK,
         direct_io: bool = True,
+        child_verify_min: int = CHILD_VERIFY_MIN,
     ) -> None:
         """`root` must be an absolute path to an existing directory (see `from_url`).
 
@@ -130,6 +102,7 @@ class LocalStore:
         self.url = url if url is not None else root.as_uri()
         self._chunk_size = chunk_size
         self._direct_io = direct_io
+        self._child_verify_min = child_verify_min
         self._tmp_dir = root / TMP_DIRNAME
         # Writes of every concurrent stage share these threads; each stage has at most _BUFFERS
         # writes in flight, and a few concurrent stages already saturate any disk.
@@ -172,10 +145,10 @@ class LocalStore:
                 try:
                     digest, copied = self._copy(src, src_fd, out_fd, tmp_path, direct, progress)
                 finally:
-                    _close(out_fd)
+                    close_fd(out_fd)
                 check_source_unchanged(src, before, src_fd, copied)
             except BaseException:
-                self._remove_quietly(tmp_path)
+                remove_quietly(tmp_path)
                 raise
         except _DirectUnsupported:
             logger.warning(
@@ -184,7 +157,7 @@ class LocalStore:
             self._direct_io = False
             return self.stage(src, rel, progress=progress)
         finally:
-            _close(src_fd)
+            close_fd(src_fd)
         return StagedCopy(rel=rel, tmp_path=tmp_path, digest=digest, size=copied, source=before)
 
     def _open_tmp(self, size: int) -> tuple[Path, int, bool]:
@@ -194,11 +167,11 @@ class LocalStore:
         except FileExistsError:
             pass
         except OSError as exc:
-            raise _storage_error("creating temp directory", self._tmp_dir, exc) from exc
+            raise storage_error("creating temp directory", self._tmp_dir, exc) from exc
         try:
-            dir_fd = self._open_tmp_dir()
+            dir_fd = open_tmp_dir(self._tmp_dir)
         except FileNotFoundError as exc:
-            raise _storage_error("opening temp directory", self._tmp_dir, exc) from exc
+            raise storage_error("opening temp directory", self._tmp_dir, exc) from exc
         try:
             direct = self._direct_io and size >= _DIRECT_MIN
             while True:
@@ -208,14 +181,14 @@ class LocalStore:
                     return self._tmp_dir / name, os.open(name, flags, 0o644, dir_fd=dir_fd), direct
                 except OSError as exc:
                     if not (direct and exc.errno == errno.EINVAL):
-                        raise _storage_error("creating temp copy", self._tmp_dir / name, exc) from exc
+                        raise storage_error("creating temp copy", self._tmp_dir / name, exc) from exc
                 # The filesystem has no O_DIRECT (FUSE, some network mounts). The failed open may
                 # have created the file already, hence a new name for the buffered retry.
-                self._remove_quietly(self._tmp_dir / name)
+                remove_quietly(self._tmp_dir / name)
                 logger.info("%s does not support O_DIRECT; copying through the page cache", self.root)
                 self._direct_io = direct = False
         finally:
-            _close(dir_fd)
+            close_fd(dir_fd)
 
     def _copy(
         self, src: Path, src_fd: int, out_fd: int, tmp_path: Path, direct: bool, progress: Progress | None
@@ -258,7 +231,7 @@ class LocalStore:
                         self._finish_write(writes.popleft(), tmp_path, direct)
                     fcntl.fcntl(out_fd, fcntl.F_SETFL, fcntl.fcntl(out_fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                     direct = False
-                writes.append((self._write_pool.submit(_pwrite_all, out_fd, view, copied), copied + n))
+                writes.append((self._write_pool.submit(pwrite_all, out_fd, view, copied), copied + n))
                 hasher.update(view)
                 copied += n
                 if progress is not None:
@@ -278,7 +251,7 @@ class LocalStore:
         except OSError as exc:
             if direct and exc.errno == errno.EINVAL:
                 raise _DirectUnsupported from exc
-            raise _storage_error("writing temp copy", tmp_path, exc) from exc
+            raise storage_error("writing temp copy", tmp_path, exc) from exc
         return end
 
     # ---------------------------------------------------------------------------------- commit
@@ -291,7 +264,7 @@ class LocalStore:
             self._commit(staged, parts)
         except BaseException:
             # A failed commit leaves no temp behind; the caller re-stages from the source.
-            self._remove_quietly(staged.tmp_path)
+            remove_quietly(staged.tmp_path)
             raise
         logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
 
@@ -301,23 +274,23 @@ class LocalStore:
         except FileNotFoundError as exc:
             raise PreconditionError(f"staged copy {staged.tmp_path} is gone (discarded or cleaned)") from exc
         except OSError as exc:
-            raise _storage_error("opening staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("opening staged copy", staged.tmp_path, exc) from exc
         try:
             os.fsync(fd)
         except OSError as exc:
-            raise _storage_error("flushing staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("flushing staged copy", staged.tmp_path, exc) from exc
         finally:
-            _close(fd)
+            close_fd(fd)
         final = self.root.joinpath(*parts)
-        dir_fds, first_new = self._walk_dirs(parts[:-1], create=True)
+        dir_fds, first_new = walk_dirs(self.root, parts[:-1], create=True)
         try:
             # rename() replaces a symlink at the final name rather than following it, but a
             # symlink there means someone else is writing under our root: refuse, loudly.
-            self._refuse_symlink(final, parts[-1], dir_fds[-1])
+            refuse_symlink(final, parts[-1], dir_fds[-1])
             try:
                 os.replace(staged.tmp_path, parts[-1], dst_dir_fd=dir_fds[-1])
             except OSError as exc:
-                raise _storage_error("renaming staged copy to", final, exc) from exc
+                raise storage_error("renaming staged copy to", final, exc) from exc
             # The rename is durable once the final parent is flushed; each directory created on
             # the way is durable once *its* parent is flushed. So: every dir from the parent of
             # the first new one down to the final parent.
@@ -326,10 +299,10 @@ class LocalStore:
                 try:
                     os.fsync(dir_fds[k])
                 except OSError as exc:
-                    raise _storage_error("flushing directory of", final, exc) from exc
+                    raise storage_error("flushing directory of", final, exc) from exc
         finally:
             for dfd in dir_fds:
-                _close(dfd)
+                close_fd(dfd)
 
     def discard(self, staged: StagedCopy) -> None:
         if staged.tmp_path.parent != self._tmp_dir:
@@ -339,12 +312,12 @@ class LocalStore:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise _storage_error("removing staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("removing staged copy", staged.tmp_path, exc) from exc
 
     # ---------------------------------------------------------------------------------- verify
 
     def verify(self, rel: str, digest: str) -> bool:
-        fd = self._open_final(rel)
+        fd = open_final(self.root, rel)
         if fd is None:
             return False
         path = self.root / rel
@@ -353,33 +326,16 @@ class LocalStore:
             # dirtied it since, flushing first is what makes the re-read come from the device.
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            hasher = hashing.new_hasher(update_size=hashing.VERIFY_CHUNK)
-            buf = bytearray(hashing.VERIFY_CHUNK)
-            view = memoryview(buf)
-            done = advised = dropped = 0
-            while True:
-                # Plain sequential reads of a freshly written file ran at half the device's speed
-                # here (one readahead stream, mostly waiting); asking for the next READ_AHEAD bytes
-                # up front keeps several requests in flight while this thread hashes.
-                advised = _read_ahead(fd, done, advised)
-                n = os.readv(fd, [buf])
-                if n == 0:
-                    break
-                hasher.update(view[:n])
-                done += n
-                if done - dropped >= READ_AHEAD:
-                    # Leave nothing behind as we go: the copy is for the future, not for this box's
-                    # page cache (a 20 GiB checkpoint would evict the trainer's), and freeing pages
-                    # while the device works costs less than freeing them all at the end.
-                    os.posix_fadvise(fd, dropped, done - dropped, os.POSIX_FADV_DONTNEED)
-                    dropped = done
+            size = os.fstat(fd).st_size
+            actual = hash_in_child(fd, path, size) if size >= self._child_verify_min else None
+            if actual is None:
+                actual = hash_by_read(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
-            raise _storage_error("re-reading durable copy", path, exc) from exc
+            raise storage_error("re-reading durable copy", path, exc) from exc
         finally:
-            _close(fd)
-        ok: bool = hasher.hexdigest() == digest
+            close_fd(fd)
+        ok: bool = actual == digest
         if not ok:
             logger.warning("durable copy %s does not hash to its claim %s", path, digest)
             return False
@@ -390,23 +346,23 @@ class LocalStore:
 
     def _sync_dirs(self, parts: tuple[str, ...], path: Path) -> None:
         try:
-            dir_fds, _ = self._walk_dirs(parts, create=False)
+            dir_fds, _ = walk_dirs(self.root, parts, create=False)
         except (FileNotFoundError, NotADirectoryError) as exc:
             raise StorageError(f"{path} vanished while being verified") from exc
         try:
             for dfd in reversed(dir_fds):
                 os.fsync(dfd)
         except OSError as exc:
-            raise _storage_error("flushing directories of", path, exc) from exc
+            raise storage_error("flushing directories of", path, exc) from exc
         finally:
             for dfd in dir_fds:
-                _close(dfd)
+                close_fd(dfd)
 
     def exists(self, rel: str) -> bool:
-        fd = self._open_final(rel)
+        fd = open_final(self.root, rel)
         if fd is None:
             return False
-        _close(fd)
+        close_fd(fd)
         return True
 
     def path_for_usage(self) -> Path:
@@ -419,7 +375,7 @@ class LocalStore:
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise _storage_error("reading store id", path, exc) from exc
+            raise storage_error("reading store id", path, exc) from exc
         new = uuid.uuid4().hex
         tmp = self._tmp_dir / f"id-{new}"
         try:
@@ -429,7 +385,7 @@ class LocalStore:
                 os.write(fd, new.encode() + b"\n")
                 os.fsync(fd)
             finally:
-                _close(fd)
+                close_fd(fd)
             # link() fails if another sidecar made one first: then theirs is the store's id.
             try:
                 os.link(tmp, path)
@@ -437,18 +393,18 @@ class LocalStore:
                 return path.read_text(encoding="ascii").strip()
             finally:
                 os.unlink(tmp)
-            dfd = os.open(self.root, _DIR_FLAGS)
+            dfd = os.open(self.root, DIR_FLAGS)
             try:
                 os.fsync(dfd)
             finally:
-                _close(dfd)
+                close_fd(dfd)
         except OSError as exc:
-            raise _storage_error("writing store id", path, exc) from exc
+            raise storage_error("writing store id", path, exc) from exc
         return new
 
     def clean_tmp(self) -> int:
         try:
-            dir_fd = self._open_tmp_dir()
+            dir_fd = open_tmp_dir(self._tmp_dir)
         except FileNotFoundError:
             return 0
         removed = 0
@@ -462,114 +418,13 @@ class LocalStore:
                     logger.warning("leaving unexpected directory %s", self._tmp_dir / name)
                     continue
                 except OSError as exc:
-                    raise _storage_error("removing leftover temp copy", self._tmp_dir / name, exc) from exc
+                    raise storage_error("removing leftover temp copy", self._tmp_dir / name, exc) from exc
                 removed += 1
         finally:
-            _close(dir_fd)
+            close_fd(dir_fd)
         if removed:
             logger.info("removed %d leftover temp copies from %s", removed, self._tmp_dir)
         return removed
 
     def close(self) -> None:
         self._write_pool.shutdown(wait=True)
-
-    # --------------------------------------------------------------------------------- helpers
-
-    def _walk_dirs(self, parts: tuple[str, ...], *, create: bool) -> tuple[list[int], int | None]:
-        """Open root and each directory in `parts` without following symlinks.
-
-        Returns the open fds (root first) and the index in that list of the first directory this
-        call created (None if none). Missing directories are created only if `create`; otherwise
-        FileNotFoundError propagates. The caller closes the fds.
-        """
-        try:
-            fds = [os.open(self.root, _DIR_FLAGS)]
-        except OSError as exc:
-            raise _storage_error("opening durable root", self.root, exc) from exc
-        first_new: int | None = None
-        try:
-            for k, name in enumerate(parts, start=1):
-                here = self.root.joinpath(*parts[:k])
-                try:
-                    fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
-                    continue
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                except OSError as exc:
-                    self._refuse_symlink(here, name, fds[-1])
-                    if not create and isinstance(exc, NotADirectoryError):
-                        raise
-                    raise _storage_error("opening directory", here, exc) from exc
-                try:
-                    os.mkdir(name, 0o755, dir_fd=fds[-1])
-                except FileExistsError:
-                    pass  # a concurrent commit made it first; still ours to walk into
-                except OSError as exc:
-                    raise _storage_error("creating directory", here, exc) from exc
-                if first_new is None:
-                    first_new = k
-                try:
-                    fds.append(os.open(name, _DIR_FLAGS, dir_fd=fds[-1]))
-                except OSError as exc:
-                    self._refuse_symlink(here, name, fds[-1])
-                    raise _storage_error("opening directory", here, exc) from exc
-        except BaseException:
-            for fd in fds:
-                _close(fd)
-            raise
-        return fds, first_new
-
-    def _open_final(self, rel: str) -> int | None:
-        """Open the durable copy at `rel` read-only; None if no regular file is there."""
-        parts = split_rel(rel)
-        try:
-            dir_fds, _ = self._walk_dirs(parts[:-1], create=False)
-        except (FileNotFoundError, NotADirectoryError):
-            return None
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(parts[-1], flags, dir_fd=dir_fds[-1])
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            self._refuse_symlink(self.root / rel, parts[-1], dir_fds[-1])
-            raise _storage_error("opening durable copy", self.root / rel, exc) from exc
-        finally:
-            for dfd in dir_fds:
-                _close(dfd)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            _close(fd)
-            return None
-        return fd
-
-    def _open_tmp_dir(self) -> int:
-        """Open the temp directory without following a symlink; FileNotFoundError if missing."""
-        try:
-            return os.open(self._tmp_dir, _DIR_FLAGS)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            if self._tmp_dir.is_symlink():
-                raise UnsafePathError(
-                    f"{self._tmp_dir} is a symlink; nothing under the durable root may be one"
-                ) from exc
-            raise _storage_error("opening temp directory", self._tmp_dir, exc) from exc
-
-    @staticmethod
-    def _refuse_symlink(path: Path, name: str, dir_fd: int) -> None:
-        try:
-            st = os.lstat(name, dir_fd=dir_fd)
-        except OSError:
-            return
-        if stat.S_ISLNK(st.st_mode):
-            raise UnsafePathError(f"{path} is a symlink; nothing under the durable root may be one")
-
-    @staticmethod
-    def _remove_quietly(path: Path) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # already failing; the leftover is removed by clean_tmp at startup
-            logger.warning("could not remove temp copy %s: %s", path, exc)

@@ -473,3 +473,24 @@ def test_constructor_arguments_are_checked(tmp_path: Path) -> None:
         LocalStore(tmp_path, chunk_size=1000)
     with pytest.raises(ValueError, match="absolute"):
         LocalStore(Path("relative"))
+
+
+def test_verify_in_a_child_process_agrees_and_catches_corruption(tmp_path: Path) -> None:
+    """Copies at or above child_verify_min are hashed by a child that maps the file (as b3sum
+    does); the answer must be the same, and a flipped byte must still fail."""
+    root = tmp_path / "store"
+    root.mkdir()
+    store = LocalStore(root, child_verify_min=1 << 20)
+    try:
+        src = tmp_path / "big.bin"
+        src.write_bytes(os.urandom(3 << 20))
+        staged = store.stage(src, "big.bin")
+        store.commit(staged)
+        assert store.verify("big.bin", staged.digest)
+        copy = root / "big.bin"
+        data = bytearray(copy.read_bytes())
+        data[2 << 20] ^= 0xFF
+        copy.write_bytes(bytes(data))
+        assert not store.verify("big.bin", staged.digest)
+    finally:
+        store.close()
