@@ -90,9 +90,13 @@ async def gather(
             Reason("NOT_PULLED", detail=f"nothing pulled yet: run `boxwarden pull {box.name} --to DIR`")
         )
     else:
-        ev.verify = verify_tree(
-            pulled_dir, roster=box.roster or None, write_marker=False, verifier_version=__version__
-        )
+        try:
+            ev.verify = verify_tree(
+                pulled_dir, roster=box.roster or None, write_marker=False, verifier_version=__version__
+            )
+        except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
+            reasons.append(Reason("NOT_PULLED", detail=str(e)))
+            return ev, reasons
         try:
             marker = read_marker(pulled_dir)
         except ControllerError as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -323,3 +324,10 @@ def test_pulled_but_not_verified_is_not_verified(bw: Bw) -> None:
     bw.wait_durable(NAME, 1)
     bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
     assert only_codes(down_dry(bw)) == {"NOT_VERIFIED"}
+
+
+def test_a_pulled_tree_that_was_removed_is_not_pulled(bw: Bw) -> None:
+    p = verified_box(bw)
+    shutil.rmtree(p["pulled"])
+    doc = down_dry(bw)
+    assert only_codes(doc) == {"NOT_PULLED"}
