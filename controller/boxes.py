@@ -7,7 +7,7 @@ plain rows the renderer shows.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import bootstrap, gate, profiles, teardown
+from controller import bootstrap, checks, gate, profiles, teardown
 from controller.client import SidecarClient
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.pull import Progress, PullReport, pull
@@ -45,23 +45,42 @@ async def connect(box: Box) -> AsyncIterator[SidecarClient]:
         yield c
 
 
+@dataclass
+class UpOutcome:
+    box: Box
+    result: bootstrap.UpResult
+    profile: profiles.Profile
+    findings: list[checks.Finding]
+    first_time: bool  # show the platform's danger clocks and conveniences (once per box)
+
+
+def box_profile(box: Box) -> profiles.Profile:
+    """The profile a box was brought up with (a user's file is re-read and re-validated)."""
+    return profiles.load_file(Path(box.profile_file)) if box.profile_file else profiles.load(box.profile)
+
+
 async def up(
     state: State,
     name: str,
     *,
-    profile: str,
+    profile: str | None,
+    profile_file: Path | None,
+    instance_id: str | None,
     workdir: Path,
     watch: Sequence[Path],
     durable: str | None,
     run_id: str | None,
     roster: Sequence[str],
-) -> tuple[Box, bootstrap.UpResult]:
+) -> UpOutcome:
     check_name(name)
-    prof = profiles.load(profile)
-    if prof["kind"] != "local":
+    prof = profiles.resolve(profile, profile_file)
+    if prof.kind != "local":
         raise UsageError(
-            f"profile {profile!r} is a remote platform; this version runs boxes on the local profile only"
+            f"profile {prof.name!r} is a remote platform ({prof.kind}); this version runs boxes on this "
+            "machine only (a profile of kind local)"
         )
+    if instance_id is not None and not profiles.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
+        raise UsageError(f"instance id {instance_id!r} is not allowed: letters, digits, '.', '_', ':', '-'")
     if not watch:
         raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
     for cell in roster:
@@ -74,29 +93,37 @@ async def up(
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
     for w in watch_abs:
         w.mkdir(parents=True, exist_ok=True)
+    findings = checks.run_checks(prof, watch=watch_abs, durable=ddir, home=Path.home())
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        raise ControllerError("; ".join(f.message for f in errors))
     old = state.find(name)
+    fresh = old is None or old.status != "up"
     box = Box(
         name=name,
-        profile=profile,
+        profile=prof.name,
+        profile_file=str(profile_file.resolve()) if profile_file else "",
+        instance_id=instance_id or (old.instance_id if old and not fresh else ""),
         box_dir=str(box_dir),
         state_dir=str(box_dir / "sidecar"),
         socket=str(bootstrap.socket_path_for(box_dir)),
         workdir=str(workdir),
         watch=tuple(str(w) for w in watch_abs),
         durable=url,
-        run_id=run_id
-        or (old.run_id if old and old.status == "up" else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
+        run_id=run_id or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
         roster=tuple(roster) or (old.roster if old else ()),
-        pulled_dir=old.pulled_dir if old and old.status == "up" else "",
+        pulled_dir=old.pulled_dir if old and not fresh else "",
+        notices_shown=bool(old and not fresh and old.notices_shown),
     )
     res = await bootstrap.up(box)
     if not res.started and old is not None:
         box = box.with_(
             watch=tuple(res.hello.watch_dirs), durable=res.hello.durable_url, run_id=res.hello.run_id
         )
-    box = box.with_(sidecar_pid=res.hello.pid, status="up")
+    first_time = not box.notices_shown
+    box = box.with_(sidecar_pid=res.hello.pid, status="up", notices_shown=True)
     state.put(box)
-    return box, res
+    return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
 
 
 async def run_job(box: Box, argv: Sequence[str], cell: str) -> pb.Job:
@@ -174,16 +201,30 @@ def pulled_dir(box: Box, override: Path | None) -> Path | None:
 
 
 async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: bool) -> gate.Verdict:
-    if box.status != "up":
+    if box.status == "down":
         raise StateError(f"{box.name} is already down")
+    if box.status == "meter-unproven":
+        raise StateError(
+            f"{box.name}: its sidecar is stopped but the meter stop was not proven; check the provider's "
+            "console (`boxwarden status` shows the audit)"
+        )
     async with connect(box) as c:
         ev, early = await gate.gather(c, box, pulled)
     return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)
 
 
-async def down(state: State, box: Box, verdict: gate.Verdict) -> teardown.TeardownResult:
+async def down(
+    state: State, box: Box, verdict: gate.Verdict, manual_done: Callable[[str], Awaitable[bool]]
+) -> teardown.TeardownResult:
+    profile = box_profile(box)
     async with connect(box) as c:
-        return await teardown.teardown(state, box, c, verdict)
+        return await teardown.teardown(state, box, c, verdict, profile, manual_done)
+
+
+async def retry_meter(
+    state: State, box: Box, manual_done: Callable[[str], Awaitable[bool]]
+) -> teardown.TeardownResult:
+    return await teardown.retry_meter(state, box, box_profile(box), manual_done)
 
 
 async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:

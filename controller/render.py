@@ -14,8 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from controller.bootstrap import UpResult
+from controller.checks import Finding
 from controller.errors import Reason
 from controller.gate import Verdict
+from controller.profiles import Profile
 from controller.pull import PullReport
 from controller.state import Box
 from controller.teardown import TeardownResult
@@ -182,14 +184,151 @@ def verdict(v: Verdict, *, dry_run: bool) -> None:
 
 
 def teardown(res: TeardownResult) -> None:
+    m = res.meter
+    meter = m.detail if m else "not attempted"
     info(
         f"[bold]{res.box}[/]: deleted {len(res.deleted)} verified box-side copies, kept {len(res.kept)}; "
-        f"sidecar {'[green]gone[/]' if res.gone else '[red]still running[/]'}; audit record #{res.audit_id}"
+        f"sidecar {'[green]gone[/]' if res.sidecar_gone else '[red]still running[/]'}; "
+        f"meter stop: {meter}; {'[bold green]gone[/]' if res.gone else '[bold red]NOT proven gone[/]'}; "
+        f"audit record #{res.audit_id}"
     )
     for k in res.kept:
         warn(f"kept on the box: {k}")
 
 
+def manual_steps(box: str, steps: str) -> None:
+    c = _console()
+    c.print(f"[bold yellow]stop the meter of {box} by hand[/] (boxwarden cannot do it on this platform):")
+    c.print(f"  {steps}")
+
+
+def ask_done() -> bool:
+    answer = str(_console().input("Type [bold]done[/] once you did these steps (anything else: not done): "))
+    return answer.strip().lower() == "done"
+
+
 def confirm_prompt(box: str) -> str:
     c = _console()
     return str(c.input(f"Type the box name ([bold]{box}[/]) to confirm teardown: ")).strip()
+
+
+# -- profiles --------------------------------------------------------------------------------------
+
+
+def _yes(v: bool) -> str:
+    return "[green]yes[/]" if v else "[red]NO[/]"
+
+
+def findings(fs: Sequence[Finding]) -> None:
+    for f in fs:
+        if f.level == "warn":
+            warn(f"{f.check}: {f.message}")
+        elif f.level == "error":
+            error(f"{f.check}: {f.message}")
+
+
+def platform_notices(p: Profile) -> None:
+    """Once per box: what can destroy data on this platform, and what helps there."""
+    c = _console()
+    if p.danger_clocks:
+        c.print(f"[bold yellow]danger clocks on {p.name}[/] (verified {p.verified}):")
+        for d in p.danger_clocks:
+            c.print(f"  [yellow]{d.name}[/]: {d.after} → {d.effect}")
+    for key, value in p.mirrors.items():
+        c.print(f"  {key}: {value}")
+
+
+def profile_summary(p: Profile) -> dict[str, object]:
+    return {
+        "name": p.name,
+        "kind": p.kind,
+        "description": p.description,
+        "meter_stop": p.meter_stop.verb,
+        "irreversible": p.meter_stop.irreversible,
+        "spot": p.spot.available,
+        "verified": p.verified,
+    }
+
+
+def profile_list(ps: Sequence[Profile]) -> None:
+    t = Table(title="profiles")
+    for col in ("name", "kind", "meter stop", "irreversible", "spot", "verified", "description"):
+        t.add_column(col)
+    for p in ps:
+        ms = p.meter_stop
+        t.add_row(
+            p.name,
+            p.kind,
+            ms.verb,
+            "yes" if ms.irreversible else "no",
+            "yes" if p.spot.available else "no",
+            p.verified,
+            p.description,
+        )
+    _console().print(t)
+
+
+def profile_json(p: Profile) -> dict[str, object]:
+    ms = p.meter_stop
+    return {
+        **profile_summary(p),
+        "meter_stop": {
+            "verb": ms.verb,
+            "irreversible": ms.irreversible,
+            "mode": ms.mode,
+            "argv": list(ms.argv),
+            "manual": ms.manual,
+            "timeout_s": ms.timeout_s,
+            "note": ms.note,
+        },
+        "storage": [{**t.__dict__, "survives_meter_stop": p.survives_meter_stop(t)} for t in p.storage],
+        "spot": p.spot.__dict__,
+        "danger_clocks": [d.__dict__ for d in p.danger_clocks],
+        "mirrors": dict(p.mirrors),
+        "detach": p.detach,
+        "inode_cap": p.inode_cap,
+        "gotchas": list(p.gotchas),
+    }
+
+
+def profile_show(p: Profile) -> None:
+    c = _console()
+    ms = p.meter_stop
+    c.print(f"[bold]{p.name}[/] ({p.kind}): {p.description}  [dim]facts verified {p.verified}[/]")
+    irreversible = (
+        "[bold red]IRREVERSIBLE[/]: it destroys the box's disks" if ms.irreversible else "reversible"
+    )
+    c.print(f"meter stop: [bold]{ms.verb}[/] — {irreversible}")
+    if ms.mode == "argv":
+        c.print(
+            f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {' '.join(ms.poll.argv) if ms.poll else ''}"
+        )
+    elif ms.mode == "manual":
+        c.print(f"  by hand: {ms.manual}")
+    if ms.note:
+        c.print(f"  note: {ms.note}")
+    t = Table(title=f"what survives on {p.name}")
+    for col in (
+        "tier",
+        "path",
+        "survives stop",
+        f"survives {ms.verb}" if ms.irreversible else "survives destroy",
+        "cap",
+    ):
+        t.add_column(col)
+    for tier in p.storage:
+        durable = " (durable default)" if tier.durable_default else ""
+        t.add_row(
+            tier.name + durable, tier.path, _yes(tier.survives_stop), _yes(tier.survives_destroy), tier.cap
+        )
+    c.print(t)
+    if p.spot.available:
+        c.print(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s")
+    else:
+        c.print("spot: not offered")
+    c.print(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}")
+    if p.inode_cap or p.inode_note:
+        c.print(f"inodes: {p.inode_cap or ''} {p.inode_note}".rstrip())
+    platform_notices(p)
+    for g in p.gotchas:
+        c.print(f"  • {g}")

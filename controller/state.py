@@ -50,6 +50,9 @@ class Box:
     sidecar_pid: int = 0
     status: str = "up"
     created_at_ns: int = field(default_factory=time.time_ns)
+    profile_file: str = ""  # a user's --profile-file, re-read at `down`; empty: the shipped profile
+    instance_id: str = ""  # the provider's id, for the meter-stop command's {instance_id}
+    notices_shown: bool = False  # the platform's danger clocks were shown once for this box
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

@@ -10,12 +10,15 @@ from __future__ import annotations
 import getpass
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.errors import ControllerError
 from controller.gate import Verdict
+from controller.meterstop import MeterResult, require_stopped, stop_meter
+from controller.profiles import Profile
 from controller.state import Box, State
 
 
@@ -24,20 +27,37 @@ class TeardownResult:
     box: str
     deleted: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
-    gone: bool = False
+    sidecar_gone: bool = False
+    meter: MeterResult | None = None
     audit_id: int = 0
+
+    @property
+    def gone(self) -> bool:
+        """The box is down: its sidecar is gone and its meter is proven stopped (or needs none)."""
+        if not self.sidecar_gone or self.meter is None:
+            return False
+        return self.meter.gone or self.meter.manual_confirmed
 
     def to_json(self) -> dict[str, object]:
         return {
             "box": self.box,
             "deleted": self.deleted,
             "kept": self.kept,
+            "sidecar_gone": self.sidecar_gone,
+            "meter": self.meter.to_json() if self.meter else None,
             "gone": self.gone,
             "audit_id": self.audit_id,
         }
 
 
-async def teardown(state: State, box: Box, client: SidecarClient, verdict: Verdict) -> TeardownResult:
+async def teardown(
+    state: State,
+    box: Box,
+    client: SidecarClient,
+    verdict: Verdict,
+    profile: Profile,
+    manual_done: Callable[[str], Awaitable[bool]],
+) -> TeardownResult:
     if not verdict.allowed or not verdict.confirmed:
         raise ControllerError("internal: teardown called without an allowed, confirmed verdict")
     result = TeardownResult(box=box.name)
@@ -47,8 +67,10 @@ async def teardown(state: State, box: Box, client: SidecarClient, verdict: Verdi
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "evidence_digest": verdict.evidence_digest,
         "manifest_digest": verdict.box_manifest_digest,
-        "profile": box.profile,
-        "actions": ["ReleaseArtifacts", "Shutdown"],
+        "profile": profile.name,
+        "profile_source": profile.source,
+        "instance_id": box.instance_id,
+        "actions": ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"],
     }
     try:
         hello = await client.hello()
@@ -56,7 +78,44 @@ async def teardown(state: State, box: Box, client: SidecarClient, verdict: Verdi
         result.deleted = list(released.deleted)
         result.kept = list(released.kept)
         await client.shutdown()
-        result.gone = await wait_gone(box, hello.pid, deadline_s=20.0)
+        result.sidecar_gone = await wait_gone(box, hello.pid, deadline_s=20.0)
+        if not result.sidecar_gone:
+            raise ControllerError(
+                f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
+                f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
+            )
+        result.meter = await stop_meter(profile, box, manual_done=manual_done)
+        require_stopped(result.meter)
+    except ControllerError as e:
+        record["error"] = str(e)
+        record["result"] = result.to_json()
+        state.audit(box.name, record)
+        if result.sidecar_gone:
+            state.put(box.with_(status="meter-unproven"))
+        raise
+    record["result"] = result.to_json()
+    result.audit_id = state.audit(box.name, record)
+    state.put(box.with_(status="down"))
+    return result
+
+
+async def retry_meter(
+    state: State, box: Box, profile: Profile, manual_done: Callable[[str], Awaitable[bool]]
+) -> TeardownResult:
+    """Run the meter stop again for a box whose data side was torn down but whose meter stop was not
+    proven (a poll timeout, a manual step not confirmed)."""
+    result = TeardownResult(box=box.name, sidecar_gone=True)
+    record: dict[str, object] = {
+        "confirmed_by": getpass.getuser(),
+        "host": socket.gethostname(),
+        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "profile": profile.name,
+        "instance_id": box.instance_id,
+        "actions": [f"meter stop (retry): {profile.meter_stop.verb}"],
+    }
+    try:
+        result.meter = await stop_meter(profile, box, manual_done=manual_done)
+        require_stopped(result.meter)
     except ControllerError as e:
         record["error"] = str(e)
         record["result"] = result.to_json()
@@ -64,10 +123,5 @@ async def teardown(state: State, box: Box, client: SidecarClient, verdict: Verdi
         raise
     record["result"] = result.to_json()
     result.audit_id = state.audit(box.name, record)
-    state.put(box.with_(status="down" if result.gone else box.status))
-    if not result.gone:
-        raise ControllerError(
-            f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
-            f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
-        )
+    state.put(box.with_(status="down"))
     return result

@@ -111,7 +111,8 @@ class Bw:
         return dict(json.loads(r.stdout))
 
     def up(self, name: str, *extra: str, watch: str = "ckpt") -> dict[str, Path]:
-        self.ok("up", name, "--profile", "local", "--workdir", str(self.cwd), "--watch", watch, *extra)
+        profile = () if "--profile-file" in extra else ("--profile", "local")
+        self.ok("up", name, *profile, "--workdir", str(self.cwd), "--watch", watch, *extra)
         box_dir = self.home / "boxes" / name
         # Each box keeps its durable copies under its own name inside the durable URL.
         return {"watch": self.cwd / watch, "box_dir": box_dir, "durable": box_dir / "durable" / name}

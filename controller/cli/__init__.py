@@ -41,9 +41,9 @@ def cli(verbose: int) -> None:
 
 
 def _register() -> None:
-    from controller.cli import artifacts, down, logs, pull, run, status, up, verify
+    from controller.cli import artifacts, down, logs, profiles, pull, run, status, up, verify
 
-    for mod in (up, run, status, artifacts, logs, pull, verify, down):
+    for mod in (up, run, status, artifacts, logs, pull, verify, down, profiles):
         cli.add_command(mod.command)
 
 

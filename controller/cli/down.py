@@ -1,4 +1,5 @@
-"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME]`: the gate, then the teardown."""
+"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME]`: the gate, then the teardown and the
+meter stop."""
 
 from __future__ import annotations
 
@@ -22,13 +23,35 @@ from controller.errors import GateRefused
     type=click.Path(file_okay=False, path_type=Path),
     help="The pulled tree to judge (default: where `pull` put it).",
 )
+@click.option(
+    "--meter-stopped",
+    is_flag=True,
+    help="For a platform whose meter is stopped by hand: you did the console steps `down` printed.",
+)
 @json_flag
-def command(name: str, dry_run: bool, confirm: str | None, pulled: Path | None, as_json: bool) -> None:
+def command(
+    name: str, dry_run: bool, confirm: str | None, pulled: Path | None, meter_stopped: bool, as_json: bool
+) -> None:
     """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
     state = open_state()
     box = state.get(name)
+    interactive = sys.stdin.isatty() and not as_json
+
+    async def manual_done(steps: str) -> bool:
+        render.manual_steps(name, steps)
+        if meter_stopped:
+            return True
+        return interactive and render.ask_done()
+
+    if box.status == "meter-unproven" and not dry_run:
+        # The data side is done (audited); only the meter stop is left to prove.
+        if confirm != name:
+            raise click.UsageError(f"name the box to retry its meter stop: --confirm {name}")
+        result = asyncio.run(boxes.retry_meter(state, box, manual_done))
+        render.json_out({"teardown": result.to_json()}) if as_json else render.teardown(result)
+        return
     pulled_dir = boxes.pulled_dir(box, pulled)
-    if not dry_run and confirm is None and sys.stdin.isatty() and not as_json:
+    if not dry_run and confirm is None and interactive:
         # Interactive: show the evidence first, ask for the name only if there is something to confirm.
         preview = asyncio.run(boxes.judge(box, pulled_dir, confirm=None, dry_run=True))
         render.verdict(preview, dry_run=True)
@@ -38,21 +61,14 @@ def command(name: str, dry_run: bool, confirm: str | None, pulled: Path | None, 
     # Judged at the moment of acting (after any prompt): the box may have moved on meanwhile.
     verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=dry_run))
     doc: dict[str, object] = {"dry_run": dry_run, **verdict.to_json()}
-    if not verdict.allowed:
-        if as_json:
-            render.json_out(doc)
-        else:
-            render.verdict(verdict, dry_run=dry_run)
-        raise click.exceptions.Exit(GateRefused.exit_code)
-    if dry_run:
-        if as_json:
-            render.json_out(doc)
-        else:
-            render.verdict(verdict, dry_run=True)
+    if not verdict.allowed or dry_run:
+        render.json_out(doc) if as_json else render.verdict(verdict, dry_run=dry_run)
+        if not verdict.allowed:
+            raise click.exceptions.Exit(GateRefused.exit_code)
         return
     if not as_json:
         render.verdict(verdict, dry_run=False)
-    result = asyncio.run(boxes.down(state, box, verdict))
+    result = asyncio.run(boxes.down(state, box, verdict, manual_done))
     if as_json:
         render.json_out({**doc, "teardown": result.to_json()})
     else:

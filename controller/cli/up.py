@@ -1,4 +1,5 @@
-"""`boxwarden up NAME --profile P ...`: start (or find) the box's sidecar and wait for its Hello."""
+"""`boxwarden up NAME --profile P ...`: run the profile's checks, start (or find) the box's sidecar,
+wait for its Hello, and show the platform's danger clocks the first time."""
 
 from __future__ import annotations
 
@@ -8,13 +9,21 @@ from pathlib import Path
 import click
 
 from controller import boxes, render
-from controller.cli.options import open_state, roster_option
+from controller.cli.options import json_flag, open_state, roster_option
 
 
 @click.command("up")
 @click.argument("name")
-@click.option("--profile", required=True, help="Platform profile (this version: local).")
+@click.option("--profile", help="Platform profile (`boxwarden profiles list`).")
+@click.option(
+    "--profile-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Your own profile file, validated like a shipped one.",
+)
 @click.option("--host", help="SSH target of a remote box (not supported by this version).")
+@click.option(
+    "--instance-id", help="The provider's id of this box (fills {instance_id} in the meter-stop command)."
+)
 @click.option(
     "--workdir",
     type=click.Path(file_okay=False, path_type=Path),
@@ -35,27 +44,31 @@ from controller.cli.options import open_state, roster_option
 )
 @click.option("--run-id", help="Immutable id of this run. Default: NAME-<timestamp>.")
 @roster_option
+@json_flag
 def command(
     name: str,
-    profile: str,
+    profile: str | None,
+    profile_file: Path | None,
     host: str | None,
+    instance_id: str | None,
     workdir: Path,
     watch: tuple[Path, ...],
     durable: str | None,
     run_id: str | None,
     roster: tuple[str, ...],
+    as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
     if host:
-        raise click.UsageError(
-            "--host (remote boxes over SSH) is not supported by this version; use --profile local"
-        )
+        raise click.UsageError("--host (remote boxes over SSH) is not supported by this version")
     state = open_state()
-    box, res = asyncio.run(
+    out = asyncio.run(
         boxes.up(
             state,
             name,
             profile=profile,
+            profile_file=profile_file,
+            instance_id=instance_id,
             workdir=workdir,
             watch=watch,
             durable=durable,
@@ -63,4 +76,19 @@ def command(
             roster=roster,
         )
     )
-    render.up_result(box, res)
+    if as_json:
+        render.json_out(
+            {
+                "box": out.box.name,
+                "profile": out.profile.name,
+                "started": out.result.started,
+                "pid": out.result.hello.pid,
+                "checks": [f.to_json() for f in out.findings],
+                "danger_clocks": [c.__dict__ for c in out.profile.danger_clocks] if out.first_time else [],
+            }
+        )
+        return
+    render.up_result(out.box, out.result)
+    render.findings(out.findings)
+    if out.first_time:
+        render.platform_notices(out.profile)
