@@ -49,6 +49,7 @@ class MeterStop:
     timeout_s: int
     poll: Poll | None
     note: str
+    verified: str  # when these facts were last checked (the profile's date unless given here)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Tier:
     cap: str
     durable_default: bool
     note: str
+    verified: str
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class DangerClock:
     name: str
     after: str
     effect: str
+    verified: str
 
 
 @dataclass(frozen=True)
@@ -246,12 +249,8 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
     kind = f.text("kind")
     if kind not in KINDS:
         raise f.fail("kind", f"{kind!r} is not one of {', '.join(KINDS)}")
-    verified = f.text("verified")
-    try:
-        dt.date.fromisoformat(verified)
-    except ValueError:
-        raise f.fail("verified", f"{verified!r} is not a date like 2026-11-30") from None
-    ms = _meter_stop(f.table("meter_stop"))
+    verified = _date(f, "", required=True)
+    ms = _meter_stop(f.table("meter_stop"), verified)
     detach = f.table("detach")
     detach_primitive, detach_note = detach.text("primitive"), detach.text("note", required=False)
     detach.done()
@@ -260,12 +259,12 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
     if spot.available and not spot.signal:
         raise sp.fail("signal", "spot capacity is available, so name the signal a preempted job receives")
     sp.done()
-    storage = tuple(_tier(t) for t in f.tables("storage"))
+    storage = tuple(_tier(t, verified) for t in f.tables("storage"))
     if sum(t.durable_default for t in storage) > 1:
         raise f.fail("storage", "more than one tier has durable_default = true; keep one")
     clocks = []
     for c in f.tables("danger_clocks"):
-        clocks.append(DangerClock(c.text("name"), c.text("after"), c.text("effect")))
+        clocks.append(DangerClock(c.text("name"), c.text("after"), c.text("effect"), _date(c, verified)))
         c.done()
     mirrors: dict[str, str] = {}
     mt = f.optional_table("mirrors")
@@ -303,7 +302,26 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
     return profile
 
 
-def _meter_stop(t: _Fields) -> MeterStop:
+_DATE = re.compile(r"\d{4}-\d{2}(-\d{2})?")
+
+
+def _date(f: _Fields, default: str, *, required: bool = False) -> str:
+    """`verified`: a date (YYYY-MM-DD, or YYYY-MM when only the month is known); `default` if absent."""
+    value = f.text("verified", required=required)
+    if not value:
+        return default
+    ok = _DATE.fullmatch(value) is not None
+    if ok:
+        try:
+            dt.date.fromisoformat(value if len(value) == 10 else value + "-01")
+        except ValueError:
+            ok = False
+    if not ok:
+        raise f.fail("verified", f"{value!r} is not a date like 2026-11-30 (or 2026-11)")
+    return value
+
+
+def _meter_stop(t: _Fields, verified: str) -> MeterStop:
     verb, irreversible, mode = t.text("verb"), t.flag("irreversible"), t.text("mode")
     if mode not in MODES:
         raise t.fail("mode", f"{mode!r} is not one of {', '.join(MODES)}")
@@ -326,11 +344,12 @@ def _meter_stop(t: _Fields) -> MeterStop:
         poll = Poll(pargv, code, text, p.number("interval_s", default=5.0))
         p.done()
     note = t.text("note", required=False)
+    when = _date(t, verified)
     t.done()
-    return MeterStop(verb, irreversible, mode, argv, manual, timeout, poll, note)
+    return MeterStop(verb, irreversible, mode, argv, manual, timeout, poll, note, when)
 
 
-def _tier(t: _Fields) -> Tier:
+def _tier(t: _Fields, verified: str) -> Tier:
     tier = Tier(
         name=t.text("name"),
         path=t.text("path"),
@@ -339,6 +358,7 @@ def _tier(t: _Fields) -> Tier:
         cap=t.text("cap", required=False),
         durable_default=t.flag("durable_default", required=False),
         note=t.text("note", required=False),
+        verified=_date(t, verified),
     )
     if not (tier.path.startswith("/") or tier.path.startswith("~")):
         raise t.fail("path", f"{tier.path!r} must be absolute (or start with ~)")

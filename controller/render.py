@@ -233,7 +233,7 @@ def platform_notices(p: Profile) -> None:
     if p.danger_clocks:
         c.print(f"[bold yellow]danger clocks on {p.name}[/] (verified {p.verified}):")
         for d in p.danger_clocks:
-            c.print(f"  [yellow]{d.name}[/]: {d.after} → {d.effect}")
+            c.print(f"  [yellow]{d.name}[/]: {d.after} → {d.effect} [dim](verified {d.verified})[/]")
     for key, value in p.mirrors.items():
         c.print(f"  {key}: {value}")
 
@@ -298,7 +298,7 @@ def profile_show(p: Profile) -> None:
     irreversible = (
         "[bold red]IRREVERSIBLE[/]: it destroys the box's disks" if ms.irreversible else "reversible"
     )
-    c.print(f"meter stop: [bold]{ms.verb}[/] — {irreversible}")
+    c.print(f"meter stop: [bold]{ms.verb}[/] — {irreversible} [dim](verified {ms.verified})[/]")
     if ms.mode == "argv":
         c.print(
             f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {' '.join(ms.poll.argv) if ms.poll else ''}"

@@ -48,7 +48,10 @@ def command(
         if confirm != name:
             raise click.UsageError(f"name the box to retry its meter stop: --confirm {name}")
         result = asyncio.run(boxes.retry_meter(state, box, manual_done))
-        render.json_out({"teardown": result.to_json()}) if as_json else render.teardown(result)
+        if as_json:
+            render.json_out({"teardown": result.to_json()})
+        else:
+            render.teardown(result)
         return
     pulled_dir = boxes.pulled_dir(box, pulled)
     if not dry_run and confirm is None and interactive:
@@ -62,7 +65,10 @@ def command(
     verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=dry_run))
     doc: dict[str, object] = {"dry_run": dry_run, **verdict.to_json()}
     if not verdict.allowed or dry_run:
-        render.json_out(doc) if as_json else render.verdict(verdict, dry_run=dry_run)
+        if as_json:
+            render.json_out(doc)
+        else:
+            render.verdict(verdict, dry_run=dry_run)
         if not verdict.allowed:
             raise click.exceptions.Exit(GateRefused.exit_code)
         return
