@@ -256,8 +256,8 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
     detach.done()
     sp = f.table("spot")
     spot = Spot(sp.flag("available"), sp.integer("grace_s") or 0, sp.text("signal", required=False))
-    if spot.available and not spot.signal:
-        raise sp.fail("signal", "spot capacity is available, so name the signal a preempted job receives")
+    if spot.available and spot.grace_s and not spot.signal:
+        raise sp.fail("signal", "a preempted job gets a grace period, so name the signal that starts it")
     sp.done()
     storage = tuple(_tier(t, verified) for t in f.tables("storage"))
     if sum(t.durable_default for t in storage) > 1:

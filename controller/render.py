@@ -322,8 +322,10 @@ def profile_show(p: Profile) -> None:
             tier.name + durable, tier.path, _yes(tier.survives_stop), _yes(tier.survives_destroy), tier.cap
         )
     c.print(t)
-    if p.spot.available:
+    if p.spot.available and p.spot.signal:
         c.print(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s")
+    elif p.spot.available:
+        c.print("spot: yes — preempted with no signal and no grace: only pushed checkpoints survive")
     else:
         c.print("spot: not offered")
     c.print(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}")
