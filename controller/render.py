@@ -252,8 +252,9 @@ def profile_summary(p: Profile) -> dict[str, object]:
 
 def profile_list(ps: Sequence[Profile]) -> None:
     t = Table(title="profiles")
-    for col in ("name", "kind", "meter stop", "irreversible", "spot", "verified", "description"):
-        t.add_column(col)
+    for col in ("name", "kind", "meter stop", "irreversible", "spot", "verified"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("description")
     for p in ps:
         ms = p.meter_stop
         t.add_row(
