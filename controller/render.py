@@ -234,8 +234,9 @@ def platform_notices(p: Profile) -> None:
         c.print(f"[bold yellow]danger clocks on {p.name}[/] (verified {p.verified}):")
         for d in p.danger_clocks:
             c.print(f"  [yellow]{d.name}[/]: {d.after} → {d.effect} [dim](verified {d.verified})[/]")
+    labels = {"pip_index": "pip index mirror", "hf_endpoint": "Hugging Face mirror", "note": "network"}
     for key, value in p.mirrors.items():
-        c.print(f"  {key}: {value}")
+        c.print(f"  {labels.get(key, key)}: {value}")
 
 
 def profile_summary(p: Profile) -> dict[str, object]:
