@@ -61,18 +61,10 @@ async def teardown(
     if not verdict.allowed or not verdict.confirmed:
         raise ControllerError("internal: teardown called without an allowed, confirmed verdict")
     result = TeardownResult(box=box.name)
-    record: dict[str, object] = {
-        "confirmed_by": getpass.getuser(),
-        "host": socket.gethostname(),
-        "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "evidence_digest": verdict.evidence_digest,
-        "manifest_digest": verdict.box_manifest_digest,
-        "profile": profile.name,
-        "profile_source": profile.source,
-        "instance_id": box.instance_id,
-        "actions": ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"],
-    }
-    try:
+    record = _record(box, profile, ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"])
+    record.update(evidence_digest=verdict.evidence_digest, manifest_digest=verdict.box_manifest_digest)
+
+    async def steps() -> None:
         hello = await client.hello()
         released = await client.release(verdict.box_manifest_digest)
         result.deleted = list(released.deleted)
@@ -86,17 +78,8 @@ async def teardown(
             )
         result.meter = await stop_meter(profile, box, manual_done=manual_done)
         require_stopped(result.meter)
-    except ControllerError as e:
-        record["error"] = str(e)
-        record["result"] = result.to_json()
-        state.audit(box.name, record)
-        if result.sidecar_gone:
-            state.put(box.with_(status="meter-unproven"))
-        raise
-    record["result"] = result.to_json()
-    result.audit_id = state.audit(box.name, record)
-    state.put(box.with_(status="down"))
-    return result
+
+    return await _audited(state, box, record, result, steps)
 
 
 async def retry_meter(
@@ -105,21 +88,43 @@ async def retry_meter(
     """Run the meter stop again for a box whose data side was torn down but whose meter stop was not
     proven (a poll timeout, a manual step not confirmed)."""
     result = TeardownResult(box=box.name, sidecar_gone=True)
-    record: dict[str, object] = {
+    record = _record(box, profile, [f"meter stop (retry): {profile.meter_stop.verb}"])
+
+    async def steps() -> None:
+        result.meter = await stop_meter(profile, box, manual_done=manual_done)
+        require_stopped(result.meter)
+
+    return await _audited(state, box, record, result, steps)
+
+
+def _record(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:
+    return {
         "confirmed_by": getpass.getuser(),
         "host": socket.gethostname(),
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "profile": profile.name,
+        "profile_source": profile.source,
         "instance_id": box.instance_id,
-        "actions": [f"meter stop (retry): {profile.meter_stop.verb}"],
+        "actions": actions,
     }
+
+
+async def _audited(
+    state: State,
+    box: Box,
+    record: dict[str, object],
+    result: TeardownResult,
+    steps: Callable[[], Awaitable[None]],
+) -> TeardownResult:
+    """Run the teardown steps; whatever happens, append the record (with the result) to the audit log."""
     try:
-        result.meter = await stop_meter(profile, box, manual_done=manual_done)
-        require_stopped(result.meter)
+        await steps()
     except ControllerError as e:
         record["error"] = str(e)
         record["result"] = result.to_json()
         state.audit(box.name, record)
+        if result.sidecar_gone:
+            state.put(box.with_(status="meter-unproven"))
         raise
     record["result"] = result.to_json()
     result.audit_id = state.audit(box.name, record)
