@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import bootstrap, checks, gate, profiles, teardown
+from controller import bootstrap, checks, gate, meterstop, profiles, teardown
 from controller.client import SidecarClient
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.pull import Progress, PullReport, pull
@@ -55,8 +55,15 @@ class UpOutcome:
 
 
 def box_profile(box: Box) -> profiles.Profile:
-    """The profile a box was brought up with (a user's file is re-read and re-validated)."""
-    return profiles.load_file(Path(box.profile_file)) if box.profile_file else profiles.load(box.profile)
+    """The profile a box was brought up with, re-read and re-validated; refused if its text is not
+    the text `up` accepted (the meter-stop command must be the one that was shown and checked)."""
+    p = profiles.load_file(Path(box.profile_file)) if box.profile_file else profiles.load(box.profile)
+    if box.profile_digest and p.digest != box.profile_digest:
+        raise UsageError(
+            f"the profile {p.source} changed since `up {box.name}`; run `boxwarden up {box.name}` with it "
+            "again to accept the new text (it runs the checks again), or restore the old file"
+        )
+    return p
 
 
 async def up(
@@ -81,6 +88,23 @@ async def up(
         )
     if instance_id is not None and not profiles.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
         raise UsageError(f"instance id {instance_id!r} is not allowed: letters, digits, '.', '_', ':', '-'")
+    old = state.find(name)
+    running = old is not None and old.status == "up"
+    if running and old is not None:
+        same_file = str(profile_file.resolve()) if profile_file else ""
+        if old.profile != prof.name or old.profile_file != same_file:
+            raise UsageError(
+                f"{name} is up with profile {old.profile_file or old.profile}; `down` it before bringing it "
+                "up with another profile (its meter stop must stay the one that was checked)"
+            )
+        if instance_id is not None and old.instance_id and instance_id != old.instance_id:
+            raise UsageError(f"{name} is up as instance {old.instance_id}; `down` it before changing the id")
+    effective_id = instance_id or (old.instance_id if running and old is not None else "")
+    if "instance_id" in profiles.placeholders(prof) and not effective_id:
+        raise UsageError(
+            f"profile {prof.name!r} stops the meter with a command that needs the provider's instance id: "
+            "give it with --instance-id ID"
+        )
     if not watch:
         raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
     for cell in roster:
@@ -89,6 +113,7 @@ async def up(
     url = durable or (box_dir / "durable").resolve().as_uri()
     ddir = durable_dir(url)
     ddir.mkdir(parents=True, exist_ok=True)
+    ddir = ddir.resolve()
     workdir = workdir.resolve()
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
     for w in watch_abs:
@@ -97,13 +122,13 @@ async def up(
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise ControllerError("; ".join(f.message for f in errors))
-    old = state.find(name)
-    fresh = old is None or old.status != "up"
+    fresh = not running
     box = Box(
         name=name,
         profile=prof.name,
         profile_file=str(profile_file.resolve()) if profile_file else "",
-        instance_id=instance_id or (old.instance_id if old and not fresh else ""),
+        profile_digest=prof.digest,
+        instance_id=effective_id,
         box_dir=str(box_dir),
         state_dir=str(box_dir / "sidecar"),
         socket=str(bootstrap.socket_path_for(box_dir)),
@@ -208,6 +233,8 @@ async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: 
             f"{box.name}: its sidecar is stopped but the meter stop was not proven; check the provider's "
             "console (`boxwarden status` shows the audit)"
         )
+    # The meter stop `down` would run must still be the one `up` accepted, and fillable: check it first.
+    meterstop.plan(box_profile(box), box)
     async with connect(box) as c:
         ev, early = await gate.gather(c, box, pulled)
     return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)

@@ -85,7 +85,7 @@ def watch_tier(profile: Profile, watch: list[Path], durable: Path, home: Path) -
         if profile.survives_meter_stop(tier):
             out.append(Finding("ok", "watch_tier", f"{label} in {path}: tier {tier.name} survives {verb}"))
             continue
-        level: Literal["warn", "error"] = "warn"
+        level: Literal["warn", "error"] = "warn" if label == "checkpoints" else "error"
         if label == "checkpoints":
             msg = (
                 f"checkpoints in {path} land on tier {tier.name!r}, which does NOT survive {verb!r}: "

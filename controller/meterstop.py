@@ -1,9 +1,12 @@
 """The meter stop: run the profile's verb after the gate passed, then prove the instance is gone.
 
-A provider's "deleted" answer is not proof (RunPod and vast.ai answer before the instance is gone):
-"gone" is reported only when the poll command showed it gone. A timeout is a failure that says what to
-check. A manual verb prints the exact console steps and needs the user to say they did them.
-Commands are argv lists filled from validated values; no shell ever sees them.
+A provider's "deleted" answer is not proof (RunPod and vast.ai answer before the instance is gone),
+and neither is its silence: "gone" is reported only when the poll command ran and showed it gone.
+The poll runs whatever the stop command answered (an "already deleted" error is common on a retry),
+and a retry polls first, sending the stop command again only if the instance is still there. A poll
+that could not run, or was killed, never counts. A manual verb prints the exact console steps and
+needs the user to say they did them. Commands are argv lists filled from validated values before
+anything is released; no shell ever sees them.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class MeterResult:
     waited_s: float = 0.0
     manual_confirmed: bool = False
     detail: str = ""
+    note: str = ""
 
     def to_json(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -41,8 +45,22 @@ class MeterResult:
 
 @dataclass(frozen=True)
 class Ran:
+    """What a command did. `ran` is False when it could not be started or had to be killed: then its
+    code is made up and proves nothing."""
+
     code: int
-    output: str
+    stdout: str
+    stderr: str
+    ran: bool = True
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The filled commands, built before anything on the box is released: a missing or invalid
+    value fails here, while the box still holds its data."""
+
+    stop: list[str]
+    poll: list[str]
 
 
 async def run_argv(argv: list[str], timeout_s: float = COMMAND_TIMEOUT_S) -> Ran:
@@ -51,18 +69,42 @@ async def run_argv(argv: list[str], timeout_s: float = COMMAND_TIMEOUT_S) -> Ran
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
+            stderr=asyncio.subprocess.PIPE,
         )
     except OSError as e:
-        return Ran(127, f"cannot run {argv[0]!r}: {e.strerror}")
+        return Ran(127, "", f"cannot run {argv[0]!r}: {e.strerror}", ran=False)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return Ran(-9, f"{argv[0]} did not finish within {timeout_s:.0f}s and was killed")
+        return Ran(-9, "", f"{argv[0]} did not finish within {timeout_s:.0f}s and was killed", ran=False)
     assert proc.returncode is not None
-    return Ran(proc.returncode, out.decode(errors="replace")[-OUTPUT_TAIL:])
+    return Ran(
+        proc.returncode,
+        out.decode(errors="replace")[-OUTPUT_TAIL:],
+        err.decode(errors="replace")[-OUTPUT_TAIL:],
+    )
+
+
+def plan(profile: Profile, box: Box) -> Plan | None:
+    """The meter-stop commands with every placeholder filled (None: no command to run)."""
+    ms = profile.meter_stop
+    if ms.mode != "argv":
+        return None
+    assert ms.poll is not None  # the loader requires a poll for mode argv
+    values = {"instance_id": box.instance_id, "box": box.name}
+    return Plan(stop=fill(ms.argv, values), poll=fill(ms.poll.argv, values))
+
+
+def _shows_gone(profile: Profile, p: Ran) -> bool:
+    poll = profile.meter_stop.poll
+    assert poll is not None
+    if not p.ran:
+        return False
+    if poll.gone_exit_code is not None:
+        return p.code == poll.gone_exit_code
+    return poll.gone_stdout is not None and poll.gone_stdout in p.stdout
 
 
 async def stop_meter(
@@ -70,12 +112,13 @@ async def stop_meter(
     box: Box,
     *,
     manual_done: Callable[[str], Awaitable[bool]],
+    retry: bool = False,
     run: Callable[[list[str]], Awaitable[Ran]] = run_argv,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
 ) -> MeterResult:
     ms = profile.meter_stop
-    result = MeterResult(mode=ms.mode, verb=ms.verb)
+    result = MeterResult(mode=ms.mode, verb=ms.verb, note=ms.note)
     if ms.mode == "none":
         result.gone = True
         result.detail = "nothing bills on this platform; the sidecar is stopped"
@@ -84,43 +127,54 @@ async def stop_meter(
         result.manual_confirmed = await manual_done(ms.manual)
         result.detail = "the user confirmed the console steps" if result.manual_confirmed else "not confirmed"
         return result
-    values = {"instance_id": box.instance_id, "box": box.name}
-    result.command = fill(ms.argv, values)
-    assert ms.poll is not None  # the loader requires a poll for mode argv
-    poll_argv = fill(ms.poll.argv, values)
-    ran = await run(result.command)
-    result.exit_code, result.output = ran.code, ran.output
-    if ran.code != 0:
-        result.detail = f"{' '.join(result.command)} exited {ran.code}"
+    cmds = plan(profile, box)
+    assert cmds is not None and ms.poll is not None
+    result.command = cmds.stop
+
+    async def poll_once() -> bool:
+        p = await run(cmds.poll)
+        result.polls += 1
+        said = (p.stdout.strip() or p.stderr.strip())[-300:]
+        result.last_poll = f"exit {p.code}: {said}" if p.ran else f"did not run: {p.stderr.strip()}"
+        return _shows_gone(profile, p)
+
+    if retry and await poll_once():
+        result.gone = True
+        result.detail = f"gone: {' '.join(cmds.poll)} showed it (nothing sent again)"
         return result
+    ran = await run(cmds.stop)
+    result.exit_code = ran.code if ran.ran else None
+    result.output = (ran.stdout + ran.stderr)[-OUTPUT_TAIL:]
     started = clock()
     while True:
-        p = await run(poll_argv)
-        result.polls += 1
-        result.last_poll = f"exit {p.code}: {p.output.strip()[-300:]}"
-        gone = p.code == ms.poll.gone_exit_code if ms.poll.gone_exit_code is not None else False
-        if ms.poll.gone_stdout is not None and ms.poll.gone_stdout in p.output:
-            gone = True
-        result.waited_s = round(clock() - started, 3)
-        if gone:
+        if await poll_once():
             result.gone = True
-            result.detail = f"gone: {' '.join(poll_argv)} showed it after {result.polls} poll(s)"
+            result.waited_s = round(clock() - started, 3)
+            result.detail = f"gone: {' '.join(cmds.poll)} showed it after {result.polls} poll(s)"
             return result
-        if result.waited_s >= ms.timeout_s:
+        result.waited_s = round(clock() - started, 3)
+        left = ms.timeout_s - result.waited_s
+        if left <= 0:
+            stop_said = (
+                ""
+                if ran.code == 0 and ran.ran
+                else f" ({' '.join(cmds.stop)} answered: {result.output.strip()[-200:]!r})"
+            )
             result.detail = (
-                f"still there after {ms.timeout_s}s: {' '.join(poll_argv)} last said {result.last_poll!r}; "
-                f"check the provider's console that {box.instance_id or box.name} is gone and not billing"
+                f"still there after {ms.timeout_s}s{stop_said}: {' '.join(cmds.poll)} last said "
+                f"{result.last_poll!r}; check the provider's console that {box.instance_id or box.name} is "
+                "gone and not billing"
             )
             return result
-        await sleep(ms.poll.interval_s)
+        await sleep(min(ms.poll.interval_s, left))
 
 
 def require_stopped(result: MeterResult) -> None:
     """Raise unless the meter is proven stopped (or the user confirmed the manual steps)."""
     if result.mode == "manual" and not result.manual_confirmed:
         raise ControllerError(
-            "the meter is NOT stopped: do the console steps shown above, then confirm "
-            "(run `down` again in a terminal, or add --meter-stopped once you did them)"
+            "the meter is NOT stopped: do the console steps shown above, then confirm with "
+            "`boxwarden down NAME --confirm NAME --meter-stopped` (or type done at the prompt in a terminal)"
         )
     if result.mode == "argv" and not result.gone:
         raise ControllerError(f"the meter may still be running: {result.detail}")

@@ -9,6 +9,7 @@ run a shell is refused here, before anything can run it.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
+
+import blake3
 
 from controller.errors import UsageError
 
@@ -26,7 +29,51 @@ PLACEHOLDERS = {
     "instance_id": re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"),
     "box": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
 }
-SHELLS = frozenset({"sh", "bash", "zsh", "dash", "fish", "ksh", "csh", "tcsh", "eval", "exec", "source"})
+SHELLS = frozenset(
+    {
+        "sh",
+        "bash",
+        "zsh",
+        "dash",
+        "fish",
+        "ksh",
+        "mksh",
+        "csh",
+        "tcsh",
+        "ash",
+        "busybox",
+        "eval",
+        "exec",
+        "source",
+    }
+)
+# Programs that run another program (or a remote shell): the real command would hide behind them.
+WRAPPERS = frozenset(
+    {
+        "env",
+        "sudo",
+        "doas",
+        "nice",
+        "ionice",
+        "chrt",
+        "timeout",
+        "nohup",
+        "setsid",
+        "xargs",
+        "stdbuf",
+        "command",
+        "time",
+        "watch",
+        "ssh",
+        "rsh",
+        "su",
+        "runuser",
+        "script",
+    }
+)
+# Interpreters that take code on the command line.
+INTERPRETERS = re.compile(r"(python|perl|ruby|node|nodejs|php|lua|tclsh|awk|gawk|osascript)[0-9.]*")
+CODE_FLAGS = frozenset({"-c", "-e", "-E", "--eval", "--command", "-r"})
 SHELL_META = re.compile(r"[;&|`$<>()*?\s\\\"']")
 _BRACES = re.compile(r"\{([^{}]*)\}")
 
@@ -99,6 +146,7 @@ class Profile:
     checks: tuple[str, ...]
     inode_min_free: int
     source: str  # where it was read from: "shipped" or the file's path
+    digest: str  # blake3 of the file's text: what `up` accepted is what `down` runs
 
     def survives_meter_stop(self, tier: Tier) -> bool:
         """Whether a tier's data is still there after this platform's meter-stop verb."""
@@ -162,12 +210,12 @@ class _Fields:
             raise self.fail(key, f"must be at least {minimum}, not {v}")
         return int(v)
 
-    def number(self, key: str, *, default: float) -> float:
+    def number(self, key: str, *, default: float, maximum: float) -> float:
         v = self._get(key, (int, float), "a number", False)
         if v is None:
             return default
-        if v <= 0:
-            raise self.fail(key, f"must be greater than 0, not {v}")
+        if not math.isfinite(v) or not 0 < v <= maximum:
+            raise self.fail(key, f"must be a number above 0 and at most {maximum:g}, not {v}")
         return float(v)
 
     def texts(self, key: str, *, required: bool = False) -> tuple[str, ...]:
@@ -203,13 +251,26 @@ def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
 
 
+def _base(arg: str) -> str:
+    """A program's name without its directory or version suffix (`/usr/bin/bash5.2` → `bash`)."""
+    return re.sub(r"[0-9.\-]+$", "", arg.rsplit("/", 1)[-1])
+
+
 def check_template(argv: tuple[str, ...], f: _Fields, key: str) -> None:
-    """Refuse anything that could make a profile command run a shell or take unvalidated input."""
+    """Refuse anything that could make a profile command run a shell, run code given on its command
+    line, hide the real program behind a wrapper, or take unvalidated input."""
     if not argv:
         raise f.fail(key, "must name a program and its arguments")
-    program = argv[0].rsplit("/", 1)[-1]
+    program = _base(argv[0])
     if program in SHELLS:
         raise f.fail(key, f"runs a shell ({argv[0]!r}); give the program and its arguments directly")
+    if program in WRAPPERS:
+        raise f.fail(key, f"runs {argv[0]!r}, which runs another command; name the real program directly")
+    if INTERPRETERS.fullmatch(program) and any(a in CODE_FLAGS for a in argv[1:]):
+        raise f.fail(key, f"runs code given on the command line ({argv[0]!r} -c/-e); name a program instead")
+    for i, arg in enumerate(argv[1:], start=1):
+        if _base(arg) in SHELLS and i + 1 < len(argv) and argv[i + 1].startswith("-c"):
+            raise f.fail(key, f"passes a shell command ({arg!r} {argv[i + 1]!r}); give the program directly")
     if SHELL_META.search(argv[0]) or "{" in argv[0]:
         raise f.fail(key, f"program {argv[0]!r} must be a plain program name or path, without placeholders")
     for arg in argv:
@@ -219,6 +280,13 @@ def check_template(argv: tuple[str, ...], f: _Fields, key: str) -> None:
                 raise f.fail(key, f"unknown placeholder {{{name}}} in {arg!r}; allowed: {allowed}")
         if "{" in _BRACES.sub("", arg) or "}" in _BRACES.sub("", arg):
             raise f.fail(key, f"unbalanced brace in {arg!r}")
+
+
+def placeholders(profile: Profile) -> set[str]:
+    """The placeholders the profile's commands need."""
+    ms = profile.meter_stop
+    argvs = [*ms.argv, *(ms.poll.argv if ms.poll else ())]
+    return {name for arg in argvs for name in _BRACES.findall(arg)}
 
 
 def fill(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
@@ -241,7 +309,7 @@ def fill(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
     return out
 
 
-def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
+def parse(data: Mapping[str, Any], *, file: str, stem: str, digest: str = "") -> Profile:
     f = _Fields(data, "", file)
     name = f.text("name")
     if name != stem:
@@ -251,6 +319,8 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
         raise f.fail("kind", f"{kind!r} is not one of {', '.join(KINDS)}")
     verified = _date(f, "", required=True)
     ms = _meter_stop(f.table("meter_stop"), verified)
+    if ms.mode == "none" and kind != "local":
+        raise f.fail("meter_stop.mode", f"'none' (nothing bills) is only true of kind local, not {kind}")
     detach = f.table("detach")
     detach_primitive, detach_note = detach.text("primitive"), detach.text("note", required=False)
     detach.done()
@@ -297,6 +367,7 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str) -> Profile:
         checks=checks,
         inode_min_free=f.integer("inode_min_free", required=False, default=10000) or 0,
         source=file,
+        digest=digest,
     )
     f.done()
     return profile
@@ -330,18 +401,22 @@ def _meter_stop(t: _Fields, verified: str) -> MeterStop:
         check_template(argv, t, "argv")
     manual = t.text("manual", required=mode == "manual")
     timeout = t.integer("timeout_s", required=mode == "argv", default=0, minimum=1) or 0
+    if timeout > 86400:
+        raise t.fail("timeout_s", f"{timeout} is more than a day; a meter stop that slow needs a human")
     poll = None
     if mode == "argv":
         p = t.table("poll")
         pargv = p.texts("argv", required=True)
         check_template(pargv, p, "argv")
-        code = p.integer("gone_exit_code", required=False, minimum=-255)
+        code = p.integer("gone_exit_code", required=False, minimum=0)
+        if code in (126, 127):
+            raise p.fail("gone_exit_code", f"{code} means the poll command could not run; it proves nothing")
         text = p.text("gone_stdout", required=False) or None
         if (code is None) == (text is None):
             raise p.fail(
                 "gone_exit_code", "give exactly one of gone_exit_code or gone_stdout (proof it is gone)"
             )
-        poll = Poll(pargv, code, text, p.number("interval_s", default=5.0))
+        poll = Poll(pargv, code, text, p.number("interval_s", default=5.0, maximum=3600))
         p.done()
     note = t.text("note", required=False)
     when = _date(t, verified)
@@ -380,7 +455,7 @@ def _loads(text: str, *, file: str, stem: str) -> Profile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{file}: not valid TOML: {e}") from e
-    return parse(data, file=file, stem=stem)
+    return parse(data, file=file, stem=stem, digest=blake3.blake3(text.encode()).hexdigest())
 
 
 def available() -> list[str]:

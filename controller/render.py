@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.table import Table
 
 from controller.bootstrap import UpResult
@@ -41,11 +42,11 @@ def info(msg: str) -> None:
 
 
 def error(msg: str) -> None:
-    _console().print(f"[bold red]error:[/] {msg}")
+    _console().print(f"[bold red]error:[/] {esc(msg)}")
 
 
 def warn(msg: str) -> None:
-    _console().print(f"[bold yellow]warning:[/] {msg}")
+    _console().print(f"[bold yellow]warning:[/] {esc(msg)}")
 
 
 def json_out(doc: object) -> None:
@@ -70,21 +71,24 @@ def reasons(rs: Sequence[Reason]) -> None:
     c = _console()
     for r in rs:
         where = f" {r.path}" if r.path else ""
-        c.print(f"  [red]{r.code}[/]{where}: {r.detail}")
+        c.print(f"  [red]{r.code}[/]{esc(where)}: {esc(r.detail)}")
 
 
 def up_result(box: Box, res: UpResult) -> None:
     verb = "started" if res.started else "already running, left alone"
     info(
-        f"[green]{box.name}[/]: sidecar {res.hello.version} {verb} (pid {res.hello.pid}); "
-        f"watching {', '.join(box.watch)} → {box.durable}"
+        f"[green]{esc(box.name)}[/]: sidecar {esc(res.hello.version)} {verb} (pid {res.hello.pid}); "
+        f"watching {esc(', '.join(box.watch))} → {esc(box.durable)}"
     )
     if res.note:
         warn(res.note)
 
 
 def job_started(job: pb.Job) -> None:
-    info(f"job [bold]{job.id}[/] started (pid {job.pid}, cell {job.cell or '-'}); log: {job.log_path}")
+    info(
+        f"job [bold]{job.id}[/] started (pid {job.pid}, cell {esc(job.cell or '-')}); "
+        f"log: {esc(job.log_path)}"
+    )
 
 
 STATUS_COLUMNS = (
@@ -111,7 +115,7 @@ def status(rows: Sequence[dict[str, object]]) -> None:
             cells.append(
                 human_bytes(v) if key in ("not_durable", "disk_free") and isinstance(v, int) else str(v)
             )
-        t.add_row(*cells)
+        t.add_row(*(esc(c) for c in cells))
     _console().print(t)
 
 
@@ -122,7 +126,11 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
     for c in listing.claims:
         sealed = time.strftime("%H:%M:%S", time.localtime(c.sealed_at_unix_ns / 1e9))
         t.add_row(
-            c.path, str(c.size), c.blake3[:16] + "…", "yes" if c.durable else f"no {c.push_error}", sealed
+            esc(c.path),
+            str(c.size),
+            c.blake3[:16] + "…",
+            "yes" if c.durable else esc(f"no {c.push_error}"),
+            sealed,
         )
     _console().print(t)
     if listing.unsealed:
@@ -138,14 +146,14 @@ def transfer_progress() -> Iterator[Callable[[str, int, int], None]]:
     def update(path: str, got: int, size: int) -> None:
         if got >= size and path not in done:
             done.add(path)
-            c.print(f"  [{len(done)}] {path} ({human_bytes(size)})")
+            c.print(f"  \\[{len(done)}] {esc(path)} ({human_bytes(size)})")
 
     yield update
 
 
 def pull_report(rep: PullReport) -> None:
     info(
-        f"pulled into {rep.root}: {len(rep.fetched)} fetched ({human_bytes(rep.bytes_fetched)}), "
+        f"pulled into {esc(str(rep.root))}: {len(rep.fetched)} fetched ({human_bytes(rep.bytes_fetched)}), "
         f"{len(rep.skipped)} already present; manifest {rep.manifest.digest[:16]}…"
     )
     if rep.extra_local:
@@ -158,11 +166,11 @@ def pull_report(rep: PullReport) -> None:
 def verify_report(rep: VerifyReport) -> None:
     if rep.ok:
         info(
-            f"[bold green]VERIFIED[/] {rep.root}: {rep.files} files, {human_bytes(rep.bytes)}, "
-            f"manifest {rep.manifest_digest[:16]}…; marker written: {rep.marker_path}"
+            f"[bold green]VERIFIED[/] {esc(str(rep.root))}: {rep.files} files, {human_bytes(rep.bytes)}, "
+            f"manifest {rep.manifest_digest[:16]}…; marker written: {esc(str(rep.marker_path))}"
         )
         return
-    _console().print(f"[bold red]NOT VERIFIED[/] {rep.root}: {len(rep.reasons)} problem(s)")
+    _console().print(f"[bold red]NOT VERIFIED[/] {esc(str(rep.root))}: {len(rep.reasons)} problem(s)")
     reasons(rep.reasons)
 
 
@@ -173,7 +181,7 @@ def verdict(v: Verdict, *, dry_run: bool) -> None:
     t.add_column("result")
     t.add_column("detail")
     for ch in v.checks:
-        t.add_row(ch.name, "[green]ok[/]" if ch.ok else "[red]FAIL[/]", ch.detail)
+        t.add_row(ch.name, "[green]ok[/]" if ch.ok else "[red]FAIL[/]", esc(ch.detail))
     c.print(t)
     if v.allowed:
         tail = " (dry run: nothing was done; confirm with --confirm " + v.box + ")" if dry_run else ""
@@ -185,21 +193,24 @@ def verdict(v: Verdict, *, dry_run: bool) -> None:
 
 def teardown(res: TeardownResult) -> None:
     m = res.meter
-    meter = m.detail if m else "not attempted"
+    meter = esc(m.detail) if m else "not attempted"
     info(
-        f"[bold]{res.box}[/]: deleted {len(res.deleted)} verified box-side copies, kept {len(res.kept)}; "
+        f"[bold]{esc(res.box)}[/]: deleted {len(res.deleted)} verified box-side copies, "
+        f"kept {len(res.kept)}; "
         f"sidecar {'[green]gone[/]' if res.sidecar_gone else '[red]still running[/]'}; "
         f"meter stop: {meter}; {'[bold green]gone[/]' if res.gone else '[bold red]NOT proven gone[/]'}; "
         f"audit record #{res.audit_id}"
     )
     for k in res.kept:
         warn(f"kept on the box: {k}")
+    if m is not None and m.note:
+        warn(f"about this platform's meter stop: {m.note}")
 
 
 def manual_steps(box: str, steps: str) -> None:
     c = _console()
     c.print(f"[bold yellow]stop the meter of {box} by hand[/] (boxwarden cannot do it on this platform):")
-    c.print(f"  {steps}")
+    c.print(steps, markup=False)
 
 
 def ask_done() -> bool:
@@ -231,12 +242,15 @@ def platform_notices(p: Profile) -> None:
     """Once per box: what can destroy data on this platform, and what helps there."""
     c = _console()
     if p.danger_clocks:
-        c.print(f"[bold yellow]danger clocks on {p.name}[/] (verified {p.verified}):")
+        c.print(f"[bold yellow]danger clocks on {esc(p.name)}[/] (verified {esc(p.verified)}):")
         for d in p.danger_clocks:
-            c.print(f"  [yellow]{d.name}[/]: {d.after} → {d.effect} [dim](verified {d.verified})[/]")
+            c.print(
+                f"  [yellow]{esc(d.name)}[/]: {esc(d.after)} → {esc(d.effect)} "
+                f"[dim](verified {esc(d.verified)})[/]"
+            )
     labels = {"pip_index": "pip index mirror", "hf_endpoint": "Hugging Face mirror", "note": "network"}
     for key, value in p.mirrors.items():
-        c.print(f"  {labels.get(key, key)}: {value}")
+        c.print(f"  {labels.get(key, key)}: {value}", markup=False)
 
 
 def profile_summary(p: Profile) -> dict[str, object]:
@@ -259,13 +273,13 @@ def profile_list(ps: Sequence[Profile]) -> None:
     for p in ps:
         ms = p.meter_stop
         t.add_row(
-            p.name,
-            p.kind,
-            ms.verb,
+            esc(p.name),
+            esc(p.kind),
+            esc(ms.verb),
             "yes" if ms.irreversible else "no",
             "yes" if p.spot.available else "no",
-            p.verified,
-            p.description,
+            esc(p.verified),
+            esc(p.description),
         )
     _console().print(t)
 
@@ -296,43 +310,49 @@ def profile_json(p: Profile) -> dict[str, object]:
 def profile_show(p: Profile) -> None:
     c = _console()
     ms = p.meter_stop
-    c.print(f"[bold]{p.name}[/] ({p.kind}): {p.description}  [dim]facts verified {p.verified}[/]")
+    c.print(
+        f"[bold]{esc(p.name)}[/] ({esc(p.kind)}): {esc(p.description)}  "
+        f"[dim]facts verified {esc(p.verified)}[/]"
+    )
     irreversible = (
         "[bold red]IRREVERSIBLE[/]: it destroys the box's disks" if ms.irreversible else "reversible"
     )
-    c.print(f"meter stop: [bold]{ms.verb}[/] — {irreversible} [dim](verified {ms.verified})[/]")
+    c.print(f"meter stop: [bold]{esc(ms.verb)}[/] — {irreversible} [dim](verified {esc(ms.verified)})[/]")
     if ms.mode == "argv":
-        c.print(
-            f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {' '.join(ms.poll.argv) if ms.poll else ''}"
-        )
+        gone_when = " ".join(ms.poll.argv) if ms.poll else ""
+        c.print(f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {gone_when}", markup=False)
     elif ms.mode == "manual":
-        c.print(f"  by hand: {ms.manual}")
+        c.print(f"  by hand: {ms.manual}", markup=False)
     if ms.note:
-        c.print(f"  note: {ms.note}")
-    t = Table(title=f"what survives on {p.name}")
+        c.print(f"  note: {ms.note}", markup=False)
+    t = Table(title=f"what survives on {esc(p.name)}")
     for col in (
         "tier",
         "path",
         "survives stop",
-        f"survives {ms.verb}" if ms.irreversible else "survives destroy",
+        f"survives {esc(ms.verb)}" if ms.irreversible else "survives destroy",
         "cap",
     ):
         t.add_column(col)
     for tier in p.storage:
         durable = " (durable default)" if tier.durable_default else ""
         t.add_row(
-            tier.name + durable, tier.path, _yes(tier.survives_stop), _yes(tier.survives_destroy), tier.cap
+            esc(tier.name + durable),
+            esc(tier.path),
+            _yes(tier.survives_stop),
+            _yes(tier.survives_destroy),
+            esc(tier.cap),
         )
     c.print(t)
     if p.spot.available and p.spot.signal:
-        c.print(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s")
+        c.print(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s", markup=False)
     elif p.spot.available:
         c.print("spot: yes — preempted with no signal and no grace: only pushed checkpoints survive")
     else:
         c.print("spot: not offered")
-    c.print(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}")
+    c.print(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}", markup=False)
     if p.inode_cap or p.inode_note:
-        c.print(f"inodes: {p.inode_cap or ''} {p.inode_note}".rstrip())
+        c.print(f"inodes: {p.inode_cap or ''} {p.inode_note}".rstrip(), markup=False)
     platform_notices(p)
     for g in p.gotchas:
-        c.print(f"  • {g}")
+        c.print(f"  • {g}", markup=False)

@@ -51,6 +51,7 @@ class Box:
     status: str = "up"
     created_at_ns: int = field(default_factory=time.time_ns)
     profile_file: str = ""  # a user's --profile-file, re-read at `down`; empty: the shipped profile
+    profile_digest: str = ""  # blake3 of the profile text `up` accepted; `down` refuses another
     instance_id: str = ""  # the provider's id, for the meter-stop command's {instance_id}
     notices_shown: bool = False  # the platform's danger clocks were shown once for this box
 

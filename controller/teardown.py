@@ -13,11 +13,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from controller import meterstop
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.errors import ControllerError
 from controller.gate import Verdict
-from controller.meterstop import MeterResult, require_stopped, stop_meter
+from controller.meterstop import MeterResult
 from controller.profiles import Profile
 from controller.state import Box, State
 
@@ -65,6 +66,7 @@ async def teardown(
     record.update(evidence_digest=verdict.evidence_digest, manifest_digest=verdict.box_manifest_digest)
 
     async def steps() -> None:
+        meterstop.plan(profile, box)  # every placeholder fillable, before anything is released
         hello = await client.hello()
         released = await client.release(verdict.box_manifest_digest)
         result.deleted = list(released.deleted)
@@ -76,8 +78,8 @@ async def teardown(
                 f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
                 f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
             )
-        result.meter = await stop_meter(profile, box, manual_done=manual_done)
-        require_stopped(result.meter)
+        result.meter = await meterstop.stop_meter(profile, box, manual_done=manual_done)
+        meterstop.require_stopped(result.meter)
 
     return await _audited(state, box, record, result, steps)
 
@@ -91,8 +93,8 @@ async def retry_meter(
     record = _record(box, profile, [f"meter stop (retry): {profile.meter_stop.verb}"])
 
     async def steps() -> None:
-        result.meter = await stop_meter(profile, box, manual_done=manual_done)
-        require_stopped(result.meter)
+        result.meter = await meterstop.stop_meter(profile, box, manual_done=manual_done, retry=True)
+        meterstop.require_stopped(result.meter)
 
     return await _audited(state, box, record, result, steps)
 
@@ -104,6 +106,7 @@ def _record(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]
         "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "profile": profile.name,
         "profile_source": profile.source,
+        "profile_digest": profile.digest,
         "instance_id": box.instance_id,
         "actions": actions,
     }
@@ -116,11 +119,11 @@ async def _audited(
     result: TeardownResult,
     steps: Callable[[], Awaitable[None]],
 ) -> TeardownResult:
-    """Run the teardown steps; whatever happens, append the record (with the result) to the audit log."""
+    """Run the teardown steps; whatever happens (Ctrl-C included), append the record to the audit log."""
     try:
         await steps()
-    except ControllerError as e:
-        record["error"] = str(e)
+    except BaseException as e:
+        record["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ControllerError) else str(e)
         record["result"] = result.to_json()
         state.audit(box.name, record)
         if result.sidecar_gone:

@@ -6,6 +6,7 @@
     fake_provider.py show ID                             ...and `show` keeps answering "terminating" (exit 0)
                                                          for N more calls, then "not found" (exit 1, a 404);
                                                          a --stuck instance never goes away
+    fake_provider.py vanish ID                           the provider finally finished (a later retry sees it)
 State (instances and a log of every call) is a JSON file named by $FAKE_PROVIDER_STATE.
 """
 
@@ -29,7 +30,7 @@ def main(argv: list[str]) -> int:
         state["instances"][ident] = {"status": "running", "linger": linger, "stuck": "--stuck" in rest}
         print(f"created {ident}")
     elif verb == "delete":
-        if inst is None:
+        if inst is None or inst["status"] == "terminating":
             print(f"error: no instance {ident}", file=sys.stderr)
             code = 1
         else:
@@ -45,6 +46,8 @@ def main(argv: list[str]) -> int:
                 inst["linger"] -= 1
                 if inst["linger"] < 0:
                     del state["instances"][ident]
+    elif verb == "vanish":
+        state["instances"].pop(ident, None)
     else:
         print(f"unknown verb {verb}", file=sys.stderr)
         code = 2

@@ -39,7 +39,8 @@ def command(
 
     async def manual_done(steps: str) -> bool:
         render.manual_steps(name, steps)
-        if meter_stopped:
+        # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
+        if meter_stopped and box.status == "meter-unproven":
             return True
         return interactive and render.ask_done()
 

@@ -197,3 +197,112 @@ def test_a_manual_meter_stop_prints_the_steps_and_needs_the_users_word(bw: Bw, t
     assert records[-2]["result"]["meter"]["manual_confirmed"] is False
     assert records[-1]["result"]["meter"]["manual_confirmed"] is True
     assert bw.json("status")["boxes"][0]["status"] == "down"
+
+
+def pulled_and_verified(bw: Bw) -> None:
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "fk1", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+
+
+def test_a_retry_polls_first_and_proves_gone_without_deleting_again(bw: Bw, tmp_path: Path) -> None:
+    provider(bw, tmp_path, "create", "i-123", "--stuck")
+    ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=1))
+    pulled_and_verified(bw)
+    assert bw("down", "fk1", "--confirm", "fk1").returncode == 1  # still "terminating" at the timeout
+    provider(bw, tmp_path, "vanish", "i-123")  # the provider finished later
+    doc = bw.json("down", "fk1", "--confirm", "fk1")
+    assert doc["teardown"]["gone"] is True
+    assert calls(tmp_path).count(["delete", "i-123"]) == 1  # a retry re-queries, it does not re-delete
+    assert bw.json("status")["boxes"][0]["status"] == "down"
+
+
+def test_ctrl_c_while_polling_still_writes_the_audit_record(bw: Bw, tmp_path: Path) -> None:
+    import signal
+    import subprocess
+
+    from tests.conftest import wait_until
+
+    provider(bw, tmp_path, "create", "i-123", "--stuck")
+    ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=600))
+    pulled_and_verified(bw)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "down", "fk1", "--confirm", "fk1"],
+        cwd=bw.cwd,
+        env=bw.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: ["show", "i-123"] in calls(tmp_path), timeout=60, what="the first poll")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    record = audit(bw)[-1]
+    assert "KeyboardInterrupt" in record["error"] or "CancelledError" in record["error"]
+    assert record["result"]["sidecar_gone"] is True
+    assert bw.json("status")["boxes"][0]["status"] == "meter-unproven"
+
+
+def test_manual_steps_are_printed_verbatim_and_the_flag_cannot_vouch_for_unseen_steps(
+    bw: Bw, tmp_path: Path
+) -> None:
+    profile = fake_profile(tmp_path)
+    text = profile.read_text()
+    start, end = text.index("[meter_stop]"), text.index("[detach]")
+    steps = "Console → [instances] → fk1 → Release [/x] (keep the [bold] tags as text)"
+    profile.write_text(
+        text[:start]
+        + '[meter_stop]\nverb = "release"\nirreversible = true\nmode = "manual"\n'
+        + f"manual = {json.dumps(steps)}\n\n"
+        + text[end:]
+    )
+    ready_box(bw, tmp_path, profile)
+    pulled_and_verified(bw)
+    r = bw("down", "fk1", "--confirm", "fk1", "--meter-stopped")  # steps not seen yet: not confirmed
+    assert r.returncode == 1
+    assert steps in r.stderr.replace("\n", " ") or steps in r.stderr
+    assert "Traceback" not in r.stderr
+    assert bw.json("status")["boxes"][0]["status"] == "meter-unproven"
+    assert bw.json("down", "fk1", "--confirm", "fk1", "--meter-stopped")["teardown"]["gone"] is True
+
+
+def test_up_refuses_what_would_break_the_meter_stop_later(bw: Bw, tmp_path: Path) -> None:
+    profile = fake_profile(tmp_path)
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    r = bw("up", "fk1", "--profile-file", str(profile), "--watch", "ckpt")  # no --instance-id
+    assert r.returncode == 2 and "--instance-id" in r.stderr
+    bw.up("fk1", "--profile-file", str(profile), "--instance-id", "i-123")
+    swap = bw("up", "fk1", "--profile", "local", "--watch", "ckpt")  # another profile on a running box
+    assert swap.returncode == 2 and "down` it before" in swap.stderr
+    other_id = bw("up", "fk1", "--profile-file", str(profile), "--instance-id", "i-999", "--watch", "ckpt")
+    assert other_id.returncode == 2
+    # A profile file edited after `up` is not what `down` may run.
+    profile.write_text(profile.read_text().replace("timeout_s = 30", "timeout_s = 31"))
+    r = bw("down", "fk1", "--dry-run")
+    assert r.returncode == 2 and "changed since `up fk1`" in r.stderr
+
+
+def test_durable_dir_on_a_tier_lost_at_the_meter_stop_refuses_up(bw: Bw, tmp_path: Path) -> None:
+    doomed = tmp_path / "doomed"
+    profile = fake_profile(tmp_path, watch_tier_path=str(doomed))
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    r = bw(
+        "up",
+        "fk1",
+        "--profile-file",
+        str(profile),
+        "--instance-id",
+        "i-1",
+        "--watch",
+        "ckpt",
+        "--durable",
+        (doomed / "d").as_uri(),
+    )
+    assert r.returncode == 1
+    assert "does NOT survive 'destroy'" in r.stderr
+    assert not bw.sidecar_pids()

@@ -97,6 +97,34 @@ def test_a_good_user_profile_loads_and_fills_only_validated_values(tmp_path: Pat
         ('["cloudctl", "show"', '["cloudctl; rm", "show"', "meter_stop.poll.argv", "plain program"),
         ('gone_stdout = "not found"', "", "meter_stop.poll.gone_exit_code", "exactly one"),
         ('path = "/data"', 'path = "data"', "storage[0].path", "absolute"),
+        (
+            '["cloudctl", "terminate"',
+            '["env", "bash", "-c", "cloudctl terminate"',
+            "meter_stop.argv",
+            "another",
+        ),
+        ('["cloudctl", "terminate"', '["python3", "-c", "import os"', "meter_stop.argv", "code given"),
+        ('["cloudctl", "terminate"', '["ssh", "host", "rm"', "meter_stop.argv", "another"),
+        ('["cloudctl", "terminate"', '["/bin/bash5", "x"', "meter_stop.argv", "runs a shell"),
+        (
+            '["cloudctl", "terminate"',
+            '["kubectl", "exec", "p", "--", "sh", "-c"',
+            "meter_stop.argv",
+            "shell command",
+        ),
+        (
+            'gone_stdout = "not found"',
+            "gone_exit_code = 127",
+            "meter_stop.poll.gone_exit_code",
+            "could not run",
+        ),
+        (
+            'gone_stdout = "not found"',
+            'gone_stdout = "not found"\ninterval_s = inf',
+            "meter_stop.poll.interval_s",
+            "at most",
+        ),
+        ("timeout_s = 60", "timeout_s = 999999", "meter_stop.timeout_s", "more than a day"),
     ],
 )
 def test_broken_profiles_name_file_and_field(
@@ -144,3 +172,45 @@ def test_profiles_list_names_every_platform(bw: Bw) -> None:
     names = [p["name"] for p in bw.json("profiles", "list")["profiles"]]
     assert names == SHIPPED
     assert json.loads(bw.ok("profiles", "list", "--json").stdout)["profiles"][0]["verified"]
+
+
+def test_nothing_bills_is_only_true_on_your_own_machine(tmp_path: Path) -> None:
+    start, end = GOOD.index("[meter_stop]"), GOOD.index("[detach]")
+    text = GOOD[:start] + '[meter_stop]\nverb = "none"\nirreversible = false\nmode = "none"\n' + GOOD[end:]
+    f = write(tmp_path, text)
+    with pytest.raises(UsageError, match=r"field meter_stop.mode: 'none'"):
+        profiles.load_file(f)
+
+
+def test_a_poll_counts_only_what_it_printed_on_stdout_and_only_if_it_ran(tmp_path: Path) -> None:
+    import asyncio
+
+    from controller.meterstop import Ran, stop_meter
+    from controller.state import Box
+
+    p = profiles.load_file(write(tmp_path, GOOD))
+    box = Box("b", "mine", "/x", "/x", "/x.sock", "/x", ("/x",), "file:///d", "r", instance_id="i-1")
+
+    async def no(_: str) -> bool:
+        return False
+
+    async def never_sleep(_: float) -> None:
+        return None
+
+    answers = iter(
+        [
+            Ran(0, "deleted", ""),
+            Ran(2, "", "error: credentials file not found"),  # "not found" on stderr: not proof
+            Ran(127, "", "not found", ran=False),  # could not run: not proof
+            Ran(0, "instance i-1: not found", ""),
+        ]
+    )
+
+    async def run(argv: list[str]) -> Ran:
+        return next(answers)
+
+    clock = iter(range(100))
+    result = asyncio.run(
+        stop_meter(p, box, manual_done=no, run=run, clock=lambda: float(next(clock)), sleep=never_sleep)
+    )
+    assert result.gone is True and result.polls == 3
