@@ -15,7 +15,7 @@ from urllib.parse import unquote, urlparse
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import bootstrap, checks, gate, meterstop, profiles, teardown
+from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
 from controller.client import SidecarClient
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.pull import Progress, PullReport, pull
@@ -86,7 +86,7 @@ async def up(
             f"profile {prof.name!r} is a remote platform ({prof.kind}); this version runs boxes on this "
             "machine only (a profile of kind local)"
         )
-    if instance_id is not None and not profiles.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
+    if instance_id is not None and not templates.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
         raise UsageError(f"instance id {instance_id!r} is not allowed: letters, digits, '.', '_', ':', '-'")
     old = state.find(name)
     running = old is not None and old.status == "up"

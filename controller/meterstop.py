@@ -17,8 +17,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from controller.errors import ControllerError
-from controller.profiles import Profile, fill
+from controller.profiles import Profile
 from controller.state import Box
+from controller.templates import fill
 
 OUTPUT_TAIL = 2000
 COMMAND_TIMEOUT_S = 300.0

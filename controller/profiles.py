@@ -9,7 +9,6 @@ run a shell is refused here, before anything can run it.
 from __future__ import annotations
 
 import datetime as dt
-import math
 import re
 import tomllib
 from collections.abc import Mapping
@@ -21,61 +20,12 @@ from typing import Any
 import blake3
 
 from controller.errors import UsageError
+from controller.templates import BRACES, check_template
+from controller.tomlfields import Fields
 
 KINDS = ("local", "ssh-rental", "cloud-api", "ssh", "slurm", "k8s")
 MODES = ("argv", "manual", "none")
 CHECKS = ("durable_writable", "inode_headroom", "watch_tier")
-PLACEHOLDERS = {
-    "instance_id": re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}"),
-    "box": re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"),
-}
-SHELLS = frozenset(
-    {
-        "sh",
-        "bash",
-        "zsh",
-        "dash",
-        "fish",
-        "ksh",
-        "mksh",
-        "csh",
-        "tcsh",
-        "ash",
-        "busybox",
-        "eval",
-        "exec",
-        "source",
-    }
-)
-# Programs that run another program (or a remote shell): the real command would hide behind them.
-WRAPPERS = frozenset(
-    {
-        "env",
-        "sudo",
-        "doas",
-        "nice",
-        "ionice",
-        "chrt",
-        "timeout",
-        "nohup",
-        "setsid",
-        "xargs",
-        "stdbuf",
-        "command",
-        "time",
-        "watch",
-        "ssh",
-        "rsh",
-        "su",
-        "runuser",
-        "script",
-    }
-)
-# Interpreters that take code on the command line.
-INTERPRETERS = re.compile(r"(python|perl|ruby|node|nodejs|php|lua|tclsh|awk|gawk|osascript)[0-9.]*")
-CODE_FLAGS = frozenset({"-c", "-e", "-E", "--eval", "--command", "-r"})
-SHELL_META = re.compile(r"[;&|`$<>()*?\s\\\"']")
-_BRACES = re.compile(r"\{([^{}]*)\}")
 
 
 @dataclass(frozen=True)
@@ -164,153 +114,15 @@ class Profile:
         return best[1] if best else None
 
 
-class _Fields:
-    """One TOML table being read: typed getters that remember what was read, so that anything left
-    over is reported as an unknown field."""
-
-    def __init__(self, data: Mapping[str, Any], where: str, file: str) -> None:
-        self._data = data
-        self._where = where
-        self._file = file
-        self._seen: set[str] = set()
-
-    def fail(self, key: str, problem: str) -> UsageError:
-        field = f"{self._where}.{key}" if self._where else key
-        return UsageError(f"{self._file}: field {field}: {problem} (the schema is in profiles/README.md)")
-
-    def _get(self, key: str, kind: type | tuple[type, ...], what: str, required: bool) -> Any:
-        self._seen.add(key)
-        if key not in self._data:
-            if required:
-                raise self.fail(key, f"missing; add {what}")
-            return None
-        value = self._data[key]
-        # bool is an int in Python; a TOML boolean is never a number here.
-        if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-            raise self.fail(key, f"must be {what}, not {type(value).__name__} {value!r}")
-        return value
-
-    def text(self, key: str, *, required: bool = True, default: str = "") -> str:
-        v = self._get(key, str, "a string", required)
-        if v is not None and required and not v.strip():
-            raise self.fail(key, "must not be empty")
-        return default if v is None else str(v)
-
-    def flag(self, key: str, *, required: bool = True, default: bool = False) -> bool:
-        v = self._get(key, bool, "true or false", required)
-        return default if v is None else bool(v)
-
-    def integer(
-        self, key: str, *, required: bool = True, default: int | None = None, minimum: int = 0
-    ) -> int | None:
-        v = self._get(key, int, "an integer", required)
-        if v is None:
-            return default
-        if v < minimum:
-            raise self.fail(key, f"must be at least {minimum}, not {v}")
-        return int(v)
-
-    def number(self, key: str, *, default: float, maximum: float) -> float:
-        v = self._get(key, (int, float), "a number", False)
-        if v is None:
-            return default
-        if not math.isfinite(v) or not 0 < v <= maximum:
-            raise self.fail(key, f"must be a number above 0 and at most {maximum:g}, not {v}")
-        return float(v)
-
-    def texts(self, key: str, *, required: bool = False) -> tuple[str, ...]:
-        v = self._get(key, list, "an array of strings", required)
-        if v is None:
-            return ()
-        if not all(isinstance(x, str) and x for x in v):
-            raise self.fail(key, "must be an array of non-empty strings")
-        return tuple(v)
-
-    def table(self, key: str) -> _Fields:
-        v = self._get(key, dict, f"a [{key}] table", True)
-        return _Fields(v, f"{self._where}.{key}" if self._where else key, self._file)
-
-    def tables(self, key: str) -> list[_Fields]:
-        v = self._get(key, list, f"an array of [[{key}]] tables", False)
-        if v is None:
-            return []
-        if not all(isinstance(x, dict) for x in v):
-            raise self.fail(key, f"must be an array of [[{key}]] tables")
-        return [_Fields(x, f"{key}[{i}]", self._file) for i, x in enumerate(v)]
-
-    def optional_table(self, key: str) -> _Fields | None:
-        return self.table(key) if key in self._data else None
-
-    def done(self) -> None:
-        unknown = sorted(set(self._data) - self._seen)
-        if unknown:
-            raise self.fail(unknown[0], "unknown field; remove it or check its spelling")
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _base(arg: str) -> str:
-    """A program's name without its directory or version suffix (`/usr/bin/bash5.2` → `bash`)."""
-    return re.sub(r"[0-9.\-]+$", "", arg.rsplit("/", 1)[-1])
-
-
-def check_template(argv: tuple[str, ...], f: _Fields, key: str) -> None:
-    """Refuse anything that could make a profile command run a shell, run code given on its command
-    line, hide the real program behind a wrapper, or take unvalidated input."""
-    if not argv:
-        raise f.fail(key, "must name a program and its arguments")
-    program = _base(argv[0])
-    if program in SHELLS:
-        raise f.fail(key, f"runs a shell ({argv[0]!r}); give the program and its arguments directly")
-    if program in WRAPPERS:
-        raise f.fail(key, f"runs {argv[0]!r}, which runs another command; name the real program directly")
-    if INTERPRETERS.fullmatch(program) and any(a in CODE_FLAGS for a in argv[1:]):
-        raise f.fail(key, f"runs code given on the command line ({argv[0]!r} -c/-e); name a program instead")
-    for i, arg in enumerate(argv[1:], start=1):
-        if _base(arg) in SHELLS and i + 1 < len(argv) and argv[i + 1].startswith("-c"):
-            raise f.fail(key, f"passes a shell command ({arg!r} {argv[i + 1]!r}); give the program directly")
-    if SHELL_META.search(argv[0]) or "{" in argv[0]:
-        raise f.fail(key, f"program {argv[0]!r} must be a plain program name or path, without placeholders")
-    for arg in argv:
-        for name in _BRACES.findall(arg):
-            if name not in PLACEHOLDERS:
-                allowed = ", ".join("{" + p + "}" for p in PLACEHOLDERS)
-                raise f.fail(key, f"unknown placeholder {{{name}}} in {arg!r}; allowed: {allowed}")
-        if "{" in _BRACES.sub("", arg) or "}" in _BRACES.sub("", arg):
-            raise f.fail(key, f"unbalanced brace in {arg!r}")
-
-
 def placeholders(profile: Profile) -> set[str]:
     """The placeholders the profile's commands need."""
     ms = profile.meter_stop
     argvs = [*ms.argv, *(ms.poll.argv if ms.poll else ())]
-    return {name for arg in argvs for name in _BRACES.findall(arg)}
-
-
-def fill(argv: tuple[str, ...], values: Mapping[str, str]) -> list[str]:
-    """The argv with placeholders replaced; every value is checked against its pattern first."""
-    out = []
-    for arg in argv:
-
-        def sub(m: re.Match[str]) -> str:
-            name = m.group(1)
-            value = values.get(name, "")
-            if not value:
-                raise UsageError(
-                    f"the meter-stop command needs {{{name}}}: give it at `up` (--instance-id ID)"
-                )
-            if not PLACEHOLDERS[name].fullmatch(value):
-                raise UsageError(f"{name} {value!r} is not allowed in a command")
-            return value
-
-        out.append(_BRACES.sub(sub, arg))
-    return out
+    return {name for arg in argvs for name in BRACES.findall(arg)}
 
 
 def parse(data: Mapping[str, Any], *, file: str, stem: str, digest: str = "") -> Profile:
-    f = _Fields(data, "", file)
+    f = Fields(data, "", file)
     name = f.text("name")
     if name != stem:
         raise f.fail("name", f"is {name!r} but the file is {stem}.toml; make them the same")
@@ -376,7 +188,7 @@ def parse(data: Mapping[str, Any], *, file: str, stem: str, digest: str = "") ->
 _DATE = re.compile(r"\d{4}-\d{2}(-\d{2})?")
 
 
-def _date(f: _Fields, default: str, *, required: bool = False) -> str:
+def _date(f: Fields, default: str, *, required: bool = False) -> str:
     """`verified`: a date (YYYY-MM-DD, or YYYY-MM when only the month is known); `default` if absent."""
     value = f.text("verified", required=required)
     if not value:
@@ -392,7 +204,7 @@ def _date(f: _Fields, default: str, *, required: bool = False) -> str:
     return value
 
 
-def _meter_stop(t: _Fields, verified: str) -> MeterStop:
+def _meter_stop(t: Fields, verified: str) -> MeterStop:
     verb, irreversible, mode = t.text("verb"), t.flag("irreversible"), t.text("mode")
     if mode not in MODES:
         raise t.fail("mode", f"{mode!r} is not one of {', '.join(MODES)}")
@@ -424,7 +236,7 @@ def _meter_stop(t: _Fields, verified: str) -> MeterStop:
     return MeterStop(verb, irreversible, mode, argv, manual, timeout, poll, note, when)
 
 
-def _tier(t: _Fields, verified: str) -> Tier:
+def _tier(t: Fields, verified: str) -> Tier:
     tier = Tier(
         name=t.text("name"),
         path=t.text("path"),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from controller import profiles
+from controller import profiles, templates
 from controller.errors import UsageError
 from tests.conftest import Bw
 
@@ -71,15 +71,15 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_a_good_user_profile_loads_and_fills_only_validated_values(tmp_path: Path) -> None:
     p = profiles.load_file(write(tmp_path, GOOD))
-    assert profiles.fill(p.meter_stop.argv, {"instance_id": "i-9", "box": "b"}) == [
+    assert templates.fill(p.meter_stop.argv, {"instance_id": "i-9", "box": "b"}) == [
         "cloudctl",
         "terminate",
         "--id=i-9",
     ]
     with pytest.raises(UsageError, match="not allowed"):
-        profiles.fill(p.meter_stop.argv, {"instance_id": "x; rm -rf ~"})
+        templates.fill(p.meter_stop.argv, {"instance_id": "x; rm -rf ~"})
     with pytest.raises(UsageError, match="--instance-id"):
-        profiles.fill(p.meter_stop.argv, {})
+        templates.fill(p.meter_stop.argv, {})
 
 
 @pytest.mark.parametrize(
