@@ -96,15 +96,6 @@ class SidecarClient:
         resp = await self._call("StartJob", lambda: self.stub.StartJob(req, timeout=self.timeout_s))
         return resp.job
 
-    async def stop_job(self, job_id: str, grace_s: int = 10) -> pb.Job:
-        resp = await self._call(
-            "StopJob",
-            lambda: self.stub.StopJob(
-                pb.StopJobRequest(id=job_id, grace_s=grace_s), timeout=grace_s + self.timeout_s
-            ),
-        )
-        return resp.job
-
     async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
         req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest)
         # It re-reads every durable copy before deleting anything: allow for a large tree.
@@ -125,10 +116,6 @@ class SidecarClient:
     def read_artifact(self, path: str, offset: int, blake3: str) -> AsyncIterator[pb.ReadArtifactChunk]:
         req = pb.ReadArtifactRequest(path=path, offset=offset, blake3=blake3)
         return self._stream(f"ReadArtifact {path}", lambda: self.stub.ReadArtifact(req))
-
-    def watch_events(self, after_seq: int = 0, *, replay_only: bool = False) -> AsyncIterator[pb.Event]:
-        req = pb.WatchEventsRequest(after_seq=after_seq, replay_only=replay_only)
-        return self._stream("WatchEvents", lambda: self.stub.WatchEvents(req), idle_s=None)
 
     def tail_log(
         self, job_id: str, offset: int = 0, *, follow: bool = False

@@ -24,13 +24,6 @@ from controller.state import Box
 from controller.teardown import TeardownResult
 from controller.verify import VerifyReport
 
-JOB_STATE = {
-    pb.JOB_STATE_RUNNING: "running",
-    pb.JOB_STATE_EXITED: "exited",
-    pb.JOB_STATE_STOPPED: "stopped",
-    pb.JOB_STATE_LOST: "lost",
-}
-
 
 def _console() -> Console:
     # Built per call so that a redirected sys.stderr (tests, pipes) is honoured.

@@ -8,7 +8,6 @@ for fresh.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
@@ -129,12 +128,3 @@ class State:
             )
             assert cur.lastrowid is not None
             return cur.lastrowid
-
-    def teardowns(self, box: str | None = None) -> list[dict[str, object]]:
-        q = "SELECT id, box, at_ns, record FROM teardowns"
-        rows = self._db.execute(q + " WHERE box = ? ORDER BY id", (box,)) if box else self._db.execute(q)
-        return [{"id": r[0], "box": r[1], "at_ns": r[2], **json.loads(r[3])} for r in rows.fetchall()]
-
-
-def env_home() -> Path:
-    return default_home(os.environ)

@@ -7,7 +7,6 @@ SidecarError
 ├── PreconditionError    the request is valid but the state forbids it            → FAILED_PRECONDITION
 ├── ChangedError         bytes on disk changed under us (claim or copy source)     → ABORTED
 └── StorageError         the durable store failed (I/O, missing mount)             → UNAVAILABLE
-    └── VerifyError      a durable copy re-read did not hash equal
 """
 
 from __future__ import annotations
@@ -38,8 +37,4 @@ class ChangedError(SidecarError):
 
 
 class StorageError(SidecarError):
-    pass
-
-
-class VerifyError(StorageError):
     pass

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import click
 
 from controller.state import State, default_home
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 roster_option = click.option(
