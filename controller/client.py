@@ -25,6 +25,7 @@ T = TypeVar("T")
 UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 MAX_MESSAGE = 8 << 20
 STREAM_IDLE_S = 60.0
+LIST_ATTEMPTS = 3
 
 
 def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
@@ -82,10 +83,47 @@ class SidecarClient:
         return resp
 
     async def list_artifacts(self) -> pb.ListArtifactsResponse:
-        return await self._call(
-            "ListArtifacts",
-            lambda: self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=self.timeout_s),
-        )
+        """Every page of one snapshot, merged into one response (claims and pending in order).
+
+        Each page is its own call with its own deadline, so a box with 100,000 claims never needs
+        one long call. A snapshot that expired between pages is listed again from the start.
+        """
+        for attempt in range(LIST_ATTEMPTS):
+            merged = pb.ListArtifactsResponse()
+            token = ""
+            try:
+                while True:
+                    req = pb.ListArtifactsRequest(page_token=token)
+                    page = await self._call(
+                        "ListArtifacts",
+                        lambda req=req: self.stub.ListArtifacts(req, timeout=self.timeout_s),  # type: ignore[misc]
+                    )
+                    if not token:
+                        merged.manifest_digest = page.manifest_digest
+                        merged.seq = page.seq
+                        merged.total_claims = page.total_claims
+                        merged.total_pending = page.total_pending
+                        merged.excluded_files = page.excluded_files
+                    elif page.manifest_digest != merged.manifest_digest:
+                        raise SidecarRefused("ListArtifacts: a page of another snapshot arrived", "ABORTED")
+                    merged.claims.extend(page.claims)
+                    merged.pending.extend(page.pending)
+                    token = page.next_page_token
+                    if not token:
+                        break
+            except SidecarRefused as e:
+                if e.code == "ABORTED" and attempt + 1 < LIST_ATTEMPTS:
+                    logger.info("listing restarted: %s", e)
+                    continue
+                raise
+            if len(merged.claims) != merged.total_claims or len(merged.pending) != merged.total_pending:
+                raise SidecarRefused(
+                    f"ListArtifacts: got {len(merged.claims)} claims and {len(merged.pending)} pending entries, "
+                    f"the sidecar announced {merged.total_claims} and {merged.total_pending}",
+                    "DATA_LOSS",
+                )
+            return merged
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def list_jobs(self) -> pb.ListJobsResponse:
         return await self._call(

@@ -39,6 +39,40 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _PendingState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PendingStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PendingState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PENDING_STATE_UNSPECIFIED: _PendingState.ValueType  # 0
+    PENDING_WRITING: _PendingState.ValueType  # 1
+    """Some process holds it open for writing (or the sidecar cannot tell that none does)."""
+    PENDING_CHANGED: _PendingState.ValueType  # 2
+    """Its bytes on disk are not sealed as they are now: new, settling, or changed since its claim."""
+    PENDING_TEMP: _PendingState.ValueType  # 3
+    """A temp name (a save in progress, or one left behind): finish it, delete it, or exclude it."""
+    PENDING_UNCLAIMABLE: _PendingState.ValueType  # 4
+    """It can never be claimed as it is (a symlink, a special file, an unlistable directory, a name or
+    path the controller cannot take): detail says why and what to do.
+    """
+
+class PendingState(_PendingState, metaclass=_PendingStateEnumTypeWrapper):
+    """Why an entry of a watched directory is not (or no longer) covered by a claim."""
+
+PENDING_STATE_UNSPECIFIED: PendingState.ValueType  # 0
+PENDING_WRITING: PendingState.ValueType  # 1
+"""Some process holds it open for writing (or the sidecar cannot tell that none does)."""
+PENDING_CHANGED: PendingState.ValueType  # 2
+"""Its bytes on disk are not sealed as they are now: new, settling, or changed since its claim."""
+PENDING_TEMP: PendingState.ValueType  # 3
+"""A temp name (a save in progress, or one left behind): finish it, delete it, or exclude it."""
+PENDING_UNCLAIMABLE: PendingState.ValueType  # 4
+"""It can never be claimed as it is (a symlink, a special file, an unlistable directory, a name or
+path the controller cannot take): detail says why and what to do.
+"""
+Global___PendingState: _TypeAlias = PendingState  # noqa: Y015
+
 class _EventKind:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -65,6 +99,10 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """The sidecar process started (detail: version and pid)."""
     ARTIFACT_RELEASED: _EventKind.ValueType  # 10
     """ReleaseArtifacts deleted the box-side copy of a claim (path set)."""
+    ARTIFACT_CHANGED: _EventKind.ValueType  # 11
+    """A claimed file's bytes were found not to match its claim (by a pull, a release, a write event
+    or a rescan); it is being sealed again and the new claim will supersede the old one.
+    """
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -88,6 +126,10 @@ SIDECAR_STARTED: EventKind.ValueType  # 9
 """The sidecar process started (detail: version and pid)."""
 ARTIFACT_RELEASED: EventKind.ValueType  # 10
 """ReleaseArtifacts deleted the box-side copy of a claim (path set)."""
+ARTIFACT_CHANGED: EventKind.ValueType  # 11
+"""A claimed file's bytes were found not to match its claim (by a pull, a release, a write event
+or a rescan); it is being sealed again and the new claim will supersede the old one.
+"""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _JobState:
@@ -139,6 +181,7 @@ class SidecarConfig(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     RESCAN_MS_FIELD_NUMBER: _builtins.int
+    EXCLUDE_PATTERNS_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -148,7 +191,9 @@ class SidecarConfig(_message.Message):
     socket_path: _builtins.str
     """Unix socket path to listen on (must be shorter than 107 bytes). Its directory is made 0700."""
     durable_url: _builtins.str
-    """Durable storage URL. This version supports file:///absolute/dir."""
+    """Durable storage URL. This version supports file:///absolute/dir. Copies land under
+    <durable_url>/<box_name>/<run_id>/, a corner that belongs to this run alone.
+    """
     settle_ms: _builtins.int
     """How long a file's size and mtime must stay unchanged before it is sealed, in milliseconds.
     0 means the default, 200.
@@ -158,7 +203,9 @@ class SidecarConfig(_message.Message):
     hash_workers: _builtins.int
     """Number of hash/push workers. 0 means the default, 2."""
     run_id: _builtins.str
-    """Immutable id of this run (sweep), reported in Hello."""
+    """Immutable id of this run (sweep), reported in Hello. Letters, digits, '.', '_', ':', '-' (at most
+    128, starting with a letter or digit); empty means "default".
+    """
     workdir: _builtins.str
     """Working directory for jobs (absolute). Empty: the state dir."""
     rescan_ms: _builtins.int
@@ -171,8 +218,17 @@ class SidecarConfig(_message.Message):
 
     @_builtins.property
     def temp_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Glob patterns (fnmatch, matched against the file's base name) of names that are never sealed.
-        Empty means the defaults: "*.tmp", "*.part", ".*".
+        """Glob patterns (fnmatch) matched against a FILE's base name only (never a directory, never the
+        watched directory's own name): a file with such a name is a save in progress and is never
+        sealed; while one exists the gate refuses, naming it. Empty means the defaults: "*.tmp",
+        "*.part", "*.swp", "*.swx", ".*.swp" (what real writers use for files in flight).
+        """
+
+    @_builtins.property
+    def exclude_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The user's exclusions (given at `up`, shown in the gate's evidence): a file matching one is
+        never claimed, never pulled and never deleted, and does not hold the gate. fnmatch patterns; a
+        pattern without "/" is matched against the base name, one with "/" against the artifact path.
         """
 
     def __init__(
@@ -191,10 +247,11 @@ class SidecarConfig(_message.Message):
         run_id: _builtins.str = ...,
         workdir: _builtins.str = ...,
         rescan_ms: _builtins.int = ...,
+        exclude_patterns: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "durable_url", b"durable_url", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -232,6 +289,10 @@ class HelloResponse(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
+    STATE_DIR_FIELD_NUMBER: _builtins.int
+    TEMP_PATTERNS_FIELD_NUMBER: _builtins.int
+    EXCLUDE_PATTERNS_FIELD_NUMBER: _builtins.int
+    DURABLE_ROOT_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The sidecar's package version (PEP 440 string)."""
     box_name: _builtins.str
@@ -246,8 +307,18 @@ class HelloResponse(_message.Message):
     run_id: _builtins.str
     workdir: _builtins.str
     """Absolute path of the jobs' working directory."""
+    state_dir: _builtins.str
+    """Absolute path of the sidecar's state directory (ledger, logs)."""
+    durable_root: _builtins.str
+    """The URL of this run's own corner of the durable store: <durable_url>/<box_name>/<run_id>."""
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def temp_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The temp and exclude patterns in force (see SidecarConfig)."""
+
+    @_builtins.property
+    def exclude_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
         self,
         *,
@@ -262,10 +333,14 @@ class HelloResponse(_message.Message):
         pid: _builtins.int = ...,
         run_id: _builtins.str = ...,
         workdir: _builtins.str = ...,
+        state_dir: _builtins.str = ...,
+        temp_patterns: _abc.Iterable[_builtins.str] | None = ...,
+        exclude_patterns: _abc.Iterable[_builtins.str] | None = ...,
+        durable_root: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "box_name", b"box_name", "durable_url", b"durable_url", "hostname", b"hostname", "pid", b"pid", "profile", b"profile", "run_id", b"run_id", "started_at_unix_ns", b"started_at_unix_ns", "version", b"version", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "box_name", b"box_name", "durable_root", b"durable_root", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hostname", b"hostname", "pid", b"pid", "profile", b"profile", "run_id", b"run_id", "started_at_unix_ns", b"started_at_unix_ns", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "version", b"version", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -285,6 +360,7 @@ class Claim(_message.Message):
     DURABLE_FIELD_NUMBER: _builtins.int
     DURABLE_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
     PUSH_ERROR_FIELD_NUMBER: _builtins.int
+    PROVEN_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Artifact path (see PATHS above)."""
     size: _builtins.int
@@ -301,6 +377,10 @@ class Claim(_message.Message):
     """When it became durable, Unix time in nanoseconds; 0 if not durable."""
     push_error: _builtins.str
     """Last push error, empty if none."""
+    proven_at_unix_ns: _builtins.int
+    """When the durable copy was last re-read from the device and hashed equal (at push, or again at
+    a release), Unix time in nanoseconds; 0 if never.
+    """
     def __init__(
         self,
         *,
@@ -312,10 +392,11 @@ class Claim(_message.Message):
         durable: _builtins.bool = ...,
         durable_at_unix_ns: _builtins.int = ...,
         push_error: _builtins.str = ...,
+        proven_at_unix_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blake3", b"blake3", "durable", b"durable", "durable_at_unix_ns", b"durable_at_unix_ns", "path", b"path", "push_error", b"push_error", "sealed_at_unix_ns", b"sealed_at_unix_ns", "seq", b"seq", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blake3", b"blake3", "durable", b"durable", "durable_at_unix_ns", b"durable_at_unix_ns", "path", b"path", "proven_at_unix_ns", b"proven_at_unix_ns", "push_error", b"push_error", "sealed_at_unix_ns", b"sealed_at_unix_ns", "seq", b"seq", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -325,16 +406,54 @@ Global___Claim: _TypeAlias = Claim  # noqa: Y015
 class ListArtifactsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """Most claims plus pending entries per page; 0: the sidecar's default (a few MiB per page)."""
+    page_token: _builtins.str
+    """Empty: take a new snapshot and answer its first page. Otherwise the next_page_token of the
+    previous page: the same snapshot, from where that page ended. A token the sidecar no longer
+    holds (expired, or the sidecar restarted) is refused with ABORTED: list again from the start.
+    """
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListArtifactsRequest: _TypeAlias = ListArtifactsRequest  # noqa: Y015
+
+@_typing.final
+class Pending(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Artifact path (non-UTF-8 bytes escaped as \\xNN)."""
+    state: Global___PendingState.ValueType
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        state: Global___PendingState.ValueType = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "path", b"path", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pending: _TypeAlias = Pending  # noqa: Y015
 
 @_typing.final
 class ListArtifactsResponse(_message.Message):
@@ -342,34 +461,48 @@ class ListArtifactsResponse(_message.Message):
 
     CLAIMS_FIELD_NUMBER: _builtins.int
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
-    UNSEALED_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    TOTAL_CLAIMS_FIELD_NUMBER: _builtins.int
+    TOTAL_PENDING_FIELD_NUMBER: _builtins.int
+    EXCLUDED_FILES_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
-    """Manifest digest of exactly these claims (see MANIFEST CANONICAL FORM above)."""
+    """Manifest digest of ALL the snapshot's claims (see MANIFEST CANONICAL FORM above); every page
+    carries it.
+    """
     seq: _builtins.int
-    """The newest journal sequence number when this list was taken."""
+    """The newest journal sequence number when the snapshot was taken."""
+    next_page_token: _builtins.str
+    """Empty on the last page; otherwise pass it as page_token to get the next one."""
+    total_claims: _builtins.int
+    """Claims and pending entries in the whole snapshot (to check that every page arrived)."""
+    total_pending: _builtins.int
+    excluded_files: _builtins.int
+    """Regular files the user's exclude_patterns left out, in the whole snapshot."""
     @_builtins.property
     def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___Claim]:
-        """Current claims, sorted by path."""
+        """Current claims of this page, sorted by path (pages follow each other in that order)."""
 
     @_builtins.property
-    def unsealed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Files under the watched directories that some process holds open for writing, or whose
-        bytes on disk are not yet sealed (new, or changed since their claim). Artifact paths;
-        temp-named files held open for writing are listed too.
-        """
+    def pending(self) -> _containers.RepeatedCompositeFieldContainer[Global___Pending]:
+        """Entries of the watched directories that are not covered by a claim, this page's share."""
 
     def __init__(
         self,
         *,
         claims: _abc.Iterable[Global___Claim] | None = ...,
         manifest_digest: _builtins.str = ...,
-        unsealed: _abc.Iterable[_builtins.str] | None = ...,
         seq: _builtins.int = ...,
+        pending: _abc.Iterable[Global___Pending] | None = ...,
+        next_page_token: _builtins.str = ...,
+        total_claims: _builtins.int = ...,
+        total_pending: _builtins.int = ...,
+        excluded_files: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "manifest_digest", b"manifest_digest", "seq", b"seq", "unsealed", b"unsealed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "excluded_files", b"excluded_files", "manifest_digest", b"manifest_digest", "next_page_token", b"next_page_token", "pending", b"pending", "seq", b"seq", "total_claims", b"total_claims", "total_pending", b"total_pending"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -676,6 +809,8 @@ class Job(_message.Message):
     STARTED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
     ENDED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
     LOG_PATH_FIELD_NUMBER: _builtins.int
+    LEADER_EXITED_FIELD_NUMBER: _builtins.int
+    LIVE_PIDS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     cell: _builtins.str
     """Roster cell this job produces, may be empty."""
@@ -690,8 +825,18 @@ class Job(_message.Message):
     ended_at_unix_ns: _builtins.int
     log_path: _builtins.str
     """Absolute path of the job's log file on the box."""
+    leader_exited: _builtins.bool
+    """The job's first process has exited (exit_code holds its status) while other processes it
+    started still live: the job is RUNNING until every one of them is gone.
+    """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def live_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Every live process of the job's tree the sidecar found (leader, descendants, double-forked
+        escapees found by their inherited BOXWARDEN_JOB_ID environment tag).
+        """
+
     def __init__(
         self,
         *,
@@ -706,10 +851,12 @@ class Job(_message.Message):
         started_at_unix_ns: _builtins.int = ...,
         ended_at_unix_ns: _builtins.int = ...,
         log_path: _builtins.str = ...,
+        leader_exited: _builtins.bool = ...,
+        live_pids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -939,11 +1086,40 @@ class ReleaseArtifactsRequest(_message.Message):
 Global___ReleaseArtifactsRequest: _TypeAlias = ReleaseArtifactsRequest  # noqa: Y015
 
 @_typing.final
+class Refusal(_message.Message):
+    """A machine-readable reason (the gate's codes: NOT_DURABLE, JOB_RUNNING, UNSEALED_WRITES, ...)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    code: _builtins.str
+    path: _builtins.str
+    """Artifact path, when the reason concerns one."""
+    detail: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.str = ...,
+        path: _builtins.str = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "detail", b"detail", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Refusal: _TypeAlias = Refusal  # noqa: Y015
+
+@_typing.final
 class ReleaseArtifactsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DELETED_FIELD_NUMBER: _builtins.int
     KEPT_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def deleted(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Artifact paths whose box-side copy was deleted."""
@@ -952,15 +1128,22 @@ class ReleaseArtifactsResponse(_message.Message):
     def kept(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Artifact paths left in place, each with the reason ("changed since claim", "already gone")."""
 
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___Refusal]:
+        """Why the release refused (nothing deleted) or, after the loop, what is new or still running:
+        any entry here means the box is NOT ready to be torn down.
+        """
+
     def __init__(
         self,
         *,
         deleted: _abc.Iterable[_builtins.str] | None = ...,
         kept: _abc.Iterable[_builtins.str] | None = ...,
+        refused: _abc.Iterable[Global___Refusal] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "kept", b"kept"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deleted", b"deleted", "kept", b"kept", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

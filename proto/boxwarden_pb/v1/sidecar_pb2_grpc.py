@@ -107,7 +107,9 @@ class SidecarServicer:
 
     def ListArtifacts(self, request, context):
         """Every current claim with its durable state, plus the manifest digest of exactly that list and
-        the files that are being written right now (the evidence the gate needs from the box).
+        every entry of the watched directories that is not claimed (being written, changed since its
+        claim, temp-named, or unclaimable, each with the reason): the evidence the gate needs from the
+        box. Paged: one snapshot is taken at the first page and served page by page (see page_token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -165,10 +167,13 @@ class SidecarServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReleaseArtifacts(self, request, context):
-        """Deletes the box-side copies of the claims of one manifest, and nothing else. Refuses
-        (FAILED_PRECONDITION) unless manifest_digest is the current manifest's, every claim is
-        durable, no job runs, and no watched file is being written. A file whose bytes on disk no
-        longer match its claim (device, inode, size, mtime) is left in place and reported.
+        """Deletes the box-side copies of the claims of one manifest, and nothing else. Holds a lock that
+        refuses StartJob and a second release meanwhile. Deletes nothing, and answers with `refused`,
+        unless manifest_digest is the current manifest's, no job runs, every watched entry is claimed
+        or excluded, and every durable copy is re-read now and hashes equal to its claim. Each file is
+        renamed aside without replacing anything, hashed, and unlinked only if the digest equals its
+        claim; otherwise it is put back and reported in `kept`. After the loop, jobs, watched entries
+        and claims are checked again; anything new is reported in `refused`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -59,7 +59,9 @@ class SidecarStub:
     """Version and box facts. The controller refuses to talk to a sidecar whose version differs."""
     ListArtifacts: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ListArtifactsRequest, _sidecar_pb2.ListArtifactsResponse]
     """Every current claim with its durable state, plus the manifest digest of exactly that list and
-    the files that are being written right now (the evidence the gate needs from the box).
+    every entry of the watched directories that is not claimed (being written, changed since its
+    claim, temp-named, or unclaimable, each with the reason): the evidence the gate needs from the
+    box. Paged: one snapshot is taken at the first page and served page by page (see page_token).
     """
     ReadArtifact: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.ReadArtifactRequest, _sidecar_pb2.ReadArtifactChunk]
     """The bytes of one current claim, from an offset. Refuses (NOT_FOUND) a path that is not a current
@@ -79,10 +81,13 @@ class SidecarStub:
     TailLog: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.TailLogRequest, _sidecar_pb2.TailLogChunk]
     """A job's log from an offset; with follow, keeps streaming until the job exits."""
     ReleaseArtifacts: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ReleaseArtifactsRequest, _sidecar_pb2.ReleaseArtifactsResponse]
-    """Deletes the box-side copies of the claims of one manifest, and nothing else. Refuses
-    (FAILED_PRECONDITION) unless manifest_digest is the current manifest's, every claim is
-    durable, no job runs, and no watched file is being written. A file whose bytes on disk no
-    longer match its claim (device, inode, size, mtime) is left in place and reported.
+    """Deletes the box-side copies of the claims of one manifest, and nothing else. Holds a lock that
+    refuses StartJob and a second release meanwhile. Deletes nothing, and answers with `refused`,
+    unless manifest_digest is the current manifest's, no job runs, every watched entry is claimed
+    or excluded, and every durable copy is re-read now and hashes equal to its claim. Each file is
+    renamed aside without replacing anything, hashed, and unlinked only if the digest equals its
+    claim; otherwise it is put back and reported in `kept`. After the loop, jobs, watched entries
+    and claims are checked again; anything new is reported in `refused`.
     """
     Shutdown: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ShutdownRequest, _sidecar_pb2.ShutdownResponse]
     """Ordered shutdown of the daemon (the same path as SIGTERM). Jobs are not touched."""
@@ -98,7 +103,9 @@ class SidecarAsyncStub(SidecarStub):
     """Version and box facts. The controller refuses to talk to a sidecar whose version differs."""
     ListArtifacts: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ListArtifactsRequest, _sidecar_pb2.ListArtifactsResponse]  # type: ignore[assignment]
     """Every current claim with its durable state, plus the manifest digest of exactly that list and
-    the files that are being written right now (the evidence the gate needs from the box).
+    every entry of the watched directories that is not claimed (being written, changed since its
+    claim, temp-named, or unclaimable, each with the reason): the evidence the gate needs from the
+    box. Paged: one snapshot is taken at the first page and served page by page (see page_token).
     """
     ReadArtifact: _aio.UnaryStreamMultiCallable[_sidecar_pb2.ReadArtifactRequest, _sidecar_pb2.ReadArtifactChunk]  # type: ignore[assignment]
     """The bytes of one current claim, from an offset. Refuses (NOT_FOUND) a path that is not a current
@@ -118,10 +125,13 @@ class SidecarAsyncStub(SidecarStub):
     TailLog: _aio.UnaryStreamMultiCallable[_sidecar_pb2.TailLogRequest, _sidecar_pb2.TailLogChunk]  # type: ignore[assignment]
     """A job's log from an offset; with follow, keeps streaming until the job exits."""
     ReleaseArtifacts: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ReleaseArtifactsRequest, _sidecar_pb2.ReleaseArtifactsResponse]  # type: ignore[assignment]
-    """Deletes the box-side copies of the claims of one manifest, and nothing else. Refuses
-    (FAILED_PRECONDITION) unless manifest_digest is the current manifest's, every claim is
-    durable, no job runs, and no watched file is being written. A file whose bytes on disk no
-    longer match its claim (device, inode, size, mtime) is left in place and reported.
+    """Deletes the box-side copies of the claims of one manifest, and nothing else. Holds a lock that
+    refuses StartJob and a second release meanwhile. Deletes nothing, and answers with `refused`,
+    unless manifest_digest is the current manifest's, no job runs, every watched entry is claimed
+    or excluded, and every durable copy is re-read now and hashes equal to its claim. Each file is
+    renamed aside without replacing anything, hashed, and unlinked only if the digest equals its
+    claim; otherwise it is put back and reported in `kept`. After the loop, jobs, watched entries
+    and claims are checked again; anything new is reported in `refused`.
     """
     Shutdown: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ShutdownRequest, _sidecar_pb2.ShutdownResponse]  # type: ignore[assignment]
     """Ordered shutdown of the daemon (the same path as SIGTERM). Jobs are not touched."""
@@ -146,7 +156,9 @@ class SidecarServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.ListArtifactsResponse, _abc.Awaitable[_sidecar_pb2.ListArtifactsResponse]]:
         """Every current claim with its durable state, plus the manifest digest of exactly that list and
-        the files that are being written right now (the evidence the gate needs from the box).
+        every entry of the watched directories that is not claimed (being written, changed since its
+        claim, temp-named, or unclaimable, each with the reason): the evidence the gate needs from the
+        box. Paged: one snapshot is taken at the first page and served page by page (see page_token).
         """
 
     @_abc_1.abstractmethod
@@ -214,10 +226,13 @@ class SidecarServicer(metaclass=_abc_1.ABCMeta):
         request: _sidecar_pb2.ReleaseArtifactsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.ReleaseArtifactsResponse, _abc.Awaitable[_sidecar_pb2.ReleaseArtifactsResponse]]:
-        """Deletes the box-side copies of the claims of one manifest, and nothing else. Refuses
-        (FAILED_PRECONDITION) unless manifest_digest is the current manifest's, every claim is
-        durable, no job runs, and no watched file is being written. A file whose bytes on disk no
-        longer match its claim (device, inode, size, mtime) is left in place and reported.
+        """Deletes the box-side copies of the claims of one manifest, and nothing else. Holds a lock that
+        refuses StartJob and a second release meanwhile. Deletes nothing, and answers with `refused`,
+        unless manifest_digest is the current manifest's, no job runs, every watched entry is claimed
+        or excluded, and every durable copy is re-read now and hashes equal to its claim. Each file is
+        renamed aside without replacing anything, hashed, and unlinked only if the digest equals its
+        claim; otherwise it is put back and reported in `kept`. After the loop, jobs, watched entries
+        and claims are checked again; anything new is reported in `refused`.
         """
 
     @_abc_1.abstractmethod
