@@ -46,7 +46,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 4
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu --run-gpu

@@ -6,6 +6,7 @@ plain rows the renderer shows.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -22,21 +23,75 @@ from controller.pull import Progress, PullReport, pull
 from controller.state import Box, State
 
 NAME_CHARS = "letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)"
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+RUN_ID_CHARS = "letters, digits, '.', '_', ':' or '-' (at most 128, starting with a letter or digit)"
+RUN_ID_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # SidecarConfig.run_id
+# C0 controls (NUL included), DEL and C1 controls: never part of a path a user means to give.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-def check_name(name: str) -> str:
-    import re
-
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", name):
-        raise UsageError(f"box name {name!r} is not allowed: use {NAME_CHARS}")
+def check_name(name: str, what: str = "box name") -> str:
+    """A box name or a roster cell: one safe path component."""
+    if not NAME_RULE.fullmatch(name):
+        raise UsageError(f"{what} {name!r} is not allowed: use {NAME_CHARS}")
     return name
 
 
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID_RULE.fullmatch(run_id):
+        raise UsageError(f"run id {run_id!r} is not allowed: use {RUN_ID_CHARS}")
+    return run_id
+
+
+def check_path_text(path: Path | str, what: str) -> None:
+    """Refuse control characters (a NUL, a newline, an escape) in a path the user gave."""
+    if CONTROL.search(str(path)):
+        raise UsageError(f"{what} {str(path)!r} contains a control character; give the path without it")
+
+
+def check_dir_target(path: Path, what: str) -> None:
+    """`path` is a directory or can become one: it is not a file, and neither is its nearest
+    existing ancestor (`FILE/sub` can never be made)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "" if probe == path else f" (it is under {probe}, which is not a directory)"
+        raise UsageError(f"{what} {path} is not a directory{where}; give a directory")
+
+
 def durable_dir(url: str) -> Path:
+    if CONTROL.search(url):
+        raise UsageError(f"durable URL {url!r} contains a control character; give the URL without it")
     u = urlparse(url)
     if u.scheme != "file" or u.netloc not in ("", "localhost") or not u.path.startswith("/"):
         raise UsageError(f"durable URL {url!r}: this version supports file:///absolute/dir only")
-    return Path(unquote(u.path))
+    path = unquote(u.path)
+    if CONTROL.search(path):  # a %00 or %0a decodes to one
+        raise UsageError(f"durable URL {url!r} decodes to a path with a control character; remove it")
+    return Path(path)
+
+
+def prepare_durable(ddir: Path, *, own_default: bool) -> Path:
+    """Make the durable directory ready without ever creating a durable volume's parent: a missing
+    parent is an unmounted volume, and creating it would put the copies on the box's own disk.
+    Only the default durable dir (under the box's own state dir) may be created with its parents."""
+    if ddir.exists() and not ddir.is_dir():
+        raise UsageError(f"the durable path {ddir} is not a directory; give --durable file:///DIR of one")
+    if not own_default and not ddir.is_dir():
+        parent = ddir.parent
+        if parent.exists() and not parent.is_dir():
+            raise UsageError(f"the durable path's parent {parent} is not a directory; give a directory")
+        if not parent.is_dir():
+            raise UsageError(
+                f"the durable directory's parent {parent} does not exist: mount the durable volume "
+                f"(or create {parent}) first"
+            )
+    try:
+        ddir.mkdir(parents=own_default, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cannot create the durable directory {ddir}: {e.strerror}") from e
+    return ddir.resolve()
 
 
 @asynccontextmanager
@@ -79,7 +134,14 @@ async def up(
     run_id: str | None,
     roster: Sequence[str],
 ) -> UpOutcome:
+    # Every refusal comes before anything is created, started or recorded.
     check_name(name)
+    if run_id is not None:
+        check_run_id(run_id)
+    given = [(profile_file, "--profile-file"), (workdir, "--workdir"), *((w, "--watch") for w in watch)]
+    for path, what in given:
+        if path is not None:
+            check_path_text(path, what)
     prof = profiles.resolve(profile, profile_file)
     if prof.kind != "local":
         raise UsageError(
@@ -108,16 +170,24 @@ async def up(
     if not watch:
         raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
     for cell in roster:
-        check_name(cell)
+        check_name(cell, "roster cell")
     box_dir = state.box_dir(name)
-    url = durable or (box_dir / "durable").resolve().as_uri()
+    default_url = (box_dir / "durable").resolve().as_uri()
+    live = old if old is not None and old.status != "down" else None  # a box not torn down
+    url = durable or (live.durable if live is not None else default_url)
     ddir = durable_dir(url)
-    ddir.mkdir(parents=True, exist_ok=True)
-    ddir = ddir.resolve()
     workdir = workdir.resolve()
+    check_dir_target(workdir, "--workdir")
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
     for w in watch_abs:
-        w.mkdir(parents=True, exist_ok=True)
+        check_dir_target(w, "--watch")
+    _same_claims(name, old, live, watch_abs, ddir, run_id)
+    ddir = prepare_durable(ddir, own_default=url == default_url)
+    for w in watch_abs:
+        try:
+            w.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create the watched directory {w}: {e.strerror}") from e
     findings = checks.run_checks(prof, watch=watch_abs, durable=ddir, home=Path.home())
     errors = [f for f in findings if f.level == "error"]
     if errors:
@@ -151,7 +221,33 @@ async def up(
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
 
 
+def _same_claims(
+    name: str, old: Box | None, live: Box | None, watch: list[Path], ddir: Path, run_id: str | None
+) -> None:
+    """A box that was not torn down keeps what it watches, where its copies go and its run: its
+    claims are about those (its sidecar may have died silently; a new one must not change them).
+    A run that was torn down is over: its id is not reused."""
+    if old is not None and old.status == "down" and run_id is not None and run_id == old.run_id:
+        raise UsageError(f"run {run_id} was torn down; pick a new run id (--run-id)")
+    if live is None:
+        return
+    if {str(w) for w in watch} != set(live.watch):
+        raise UsageError(
+            f"{name} watches {', '.join(live.watch)}; `down` it before watching other dirs "
+            "(its claims are about those)"
+        )
+    if ddir.resolve() != durable_dir(live.durable).resolve():  # the same dir, however spelled
+        raise UsageError(
+            f"{name} keeps its durable copies in {live.durable}; `down` it before changing --durable "
+            "(its claims are about those)"
+        )
+    if run_id is not None and live.status == "up" and run_id != live.run_id:
+        raise UsageError(f"{name} is running run {live.run_id}; `down` it before starting run {run_id}")
+
+
 async def run_job(box: Box, argv: Sequence[str], cell: str) -> pb.Job:
+    if cell:
+        check_name(cell, "cell")
     async with connect(box) as c:
         await c.hello()
         return await c.start_job(pb.StartJobRequest(argv=list(argv), cell=cell))

@@ -118,8 +118,8 @@ class SidecarClient:
                 raise
             if len(merged.claims) != merged.total_claims or len(merged.pending) != merged.total_pending:
                 raise SidecarRefused(
-                    f"ListArtifacts: got {len(merged.claims)} claims and {len(merged.pending)} pending entries, "
-                    f"the sidecar announced {merged.total_claims} and {merged.total_pending}",
+                    f"ListArtifacts: got {len(merged.claims)} claims and {len(merged.pending)} pending "
+                    f"entries, the sidecar announced {merged.total_claims} and {merged.total_pending}",
                     "DATA_LOSS",
                 )
             return merged

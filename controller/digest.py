@@ -3,14 +3,21 @@
 
 The sidecar implements the same rules on its own (the two packages import nothing from each other);
 a parity test keeps them equal. Nothing else in the controller hashes bytes any other way.
+
+Files are never mapped in this process: a file truncated under a mapping is a SIGBUS that would
+kill the controller without a word. Small files are read; large ones are mapped by a child process
+(as fast as `b3sum`), whose death by a signal becomes a `FileChanged` error here.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
+import logging
 import os
+import signal
 import stat
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,12 +25,26 @@ from typing import Protocol
 
 import blake3
 
-# blake3 of b"": a fixed point worth naming, and the answer for files mmap cannot map.
+logger = logging.getLogger(__name__)
+
+# blake3 of b"": a fixed point worth naming.
 EMPTY_DIGEST = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+
+CHILD_MIN = 64 << 20
+"""Files at least this big are hashed by a child process that maps them; smaller ones are read."""
+
+READ_CHUNK = 16 << 20
+"""Bytes per read() when hashing in-process: large enough for blake3's threads to pay off."""
 
 # O_NOFOLLOW: a digest must describe the file at that name, never what a symlink points to.
 # O_NONBLOCK: opening a FIFO that was swapped in must not hang; it is refused by the S_ISREG check.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+# The child gets our open fd (never a path that could be swapped) and maps it, as b3sum does.
+_CHILD_HASH = (
+    "import sys, blake3; "
+    "print(blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(sys.argv[1]).hexdigest())"
+)
 
 
 class ManifestEntryLike(Protocol):
@@ -51,34 +72,94 @@ class NotRegularFile(OSError):
     """The name does not denote a regular file (directory, FIFO, socket, device)."""
 
 
-def digest_file(path: Path) -> FileDigest:
-    """Size and blake3 of the regular file at `path`, read in one pass.
+class FileChanged(OSError):
+    """The file changed (was truncated, grew, was rewritten) while it was being hashed, or the
+    device failed under the reader: its bytes were not read as one consistent whole."""
 
-    Raises OSError (ELOOP for a symlink, NotRegularFile for anything not a regular file). The bytes
-    are mapped and hashed by blake3's multi-threaded tree hash, which is what `b3sum` does; reading
-    through an fd we opened (rather than `update_mmap(path)`) lets us refuse symlinks and take the
-    size from the very same file.
+
+def digest_file(path: Path | str, *, dir_fd: int | None = None) -> FileDigest:
+    """Size and blake3 of the regular file at `path` (relative to `dir_fd` if given), in one pass.
+
+    Raises OSError: ELOOP for a symlink, NotRegularFile for anything not a regular file,
+    FileChanged when the file changed under the hash (never a signal that kills this process).
     """
-    fd = os.open(path, _OPEN_FLAGS)
+    fd = os.open(path, _OPEN_FLAGS, dir_fd=dir_fd)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise NotRegularFile(f"{path}: not a regular file")
-        if st.st_size == 0:
-            # mmap refuses zero-length mappings.
-            return FileDigest(0, EMPTY_DIGEST)
-        hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapped:
-            hasher.update(mapped)
-            size = len(mapped)
-        return FileDigest(size, hasher.hexdigest())
+        return digest_fd(fd, str(path))
     finally:
         os.close(fd)
+
+
+def digest_fd(fd: int, name: str) -> FileDigest:
+    """Size and blake3 of the regular file open as `fd` (read from offset 0; the offset is not used)."""
+    before = os.fstat(fd)
+    if not stat.S_ISREG(before.st_mode):
+        raise NotRegularFile(f"{name}: not a regular file")
+    found: FileDigest | None = None
+    if before.st_size >= CHILD_MIN:
+        found = _hash_in_child(fd, name, before.st_size)
+    if found is None:
+        found = _hash_by_read(fd)
+    after = os.fstat(fd)
+    if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns) or (
+        found.bytes != after.st_size
+    ):
+        raise FileChanged(
+            f"{name}: changed while hashed ({before.st_size} bytes before, {after.st_size} after, "
+            f"{found.bytes} read)"
+        )
+    return found
 
 
 def file_digest(path: Path) -> str:
     """blake3 of the file's bytes, 64 lowercase hex characters (the DIGEST RULE)."""
     return digest_file(path).blake3
+
+
+def _hash_by_read(fd: int) -> FileDigest:
+    hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [buf], offset):
+        hasher.update(view[:n])
+        offset += n
+    return FileDigest(offset, hasher.hexdigest())
+
+
+def _hash_in_child(fd: int, name: str, size: int) -> FileDigest | None:
+    """Hash in a child that maps the file; None if no child could run (the caller reads instead).
+
+    Raises FileChanged if the child was killed by a signal (SIGBUS: the file was truncated under
+    the mapping, or the device failed).
+    """
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", _CHILD_HASH, f"/dev/fd/{fd}"],
+            pass_fds=(fd,),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("hashing %s in a child failed to run (%s); reading it here instead", name, exc)
+        return None
+    if proc.returncode < 0:
+        try:
+            sig = signal.Signals(-proc.returncode).name
+        except ValueError:
+            sig = f"signal {-proc.returncode}"
+        raise FileChanged(
+            f"{name}: changed while hashed (the reader was killed by {sig}: the file was truncated "
+            "under it, or the device failed)"
+        )
+    out = proc.stdout.strip()
+    if proc.returncode != 0 or len(out) != 64:
+        logger.warning(
+            "hashing %s in a child gave no digest (%s); reading it here instead", name, proc.stderr[-300:]
+        )
+        return None
+    return FileDigest(size, out)
 
 
 def canonical_manifest_json(files: Iterable[ManifestEntryLike]) -> bytes:
@@ -94,6 +175,12 @@ def canonical_manifest_json(files: Iterable[ManifestEntryLike]) -> bytes:
 def manifest_digest(files: Iterable[ManifestEntryLike]) -> str:
     """blake3 hex of the canonical manifest JSON of `files`."""
     return blake3.blake3(canonical_manifest_json(files)).hexdigest()
+
+
+def path_key(path: str) -> str:
+    """A short, fixed-length name derived from an artifact path (32 hex of its blake3): the part
+    file's name, which fits any filesystem whatever the artifact's name."""
+    return blake3.blake3(path.encode("utf-8")).hexdigest()[:32]
 
 
 class StreamHasher:

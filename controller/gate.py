@@ -1,9 +1,11 @@
 """The gate: the one predicate that allows `down` (and any deletion of box data).
 
-It gathers evidence from both ends — the sidecar's current claims, jobs and unsealed files, and
-the pulled tree re-verified byte for byte right now — and refuses, with a machine-readable reason
-for each problem, unless everything holds and the user named the box. Any doubt refuses: an
-unreachable sidecar, a missing marker, a marker bound to another manifest.
+It gathers evidence from both ends — the sidecar's current claims, jobs and every watched entry
+not covered by a claim, and the pulled tree re-verified byte for byte right now — and refuses, with
+a machine-readable reason for each problem, unless everything holds and the user named the box.
+Any doubt refuses: an unreachable sidecar, a missing marker, a marker bound to another manifest, a
+pulled tree that overlaps what it judges. It says only what was checked: the durable line states
+when each copy was last proven, and the evidence digest is a digest of the evidence itself.
 """
 
 from __future__ import annotations
@@ -18,9 +20,24 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import __version__
 from controller.client import SidecarClient
-from controller.errors import ControllerError, Reason, SidecarUnreachable
+from controller.errors import (
+    ControllerError,
+    Reason,
+    SidecarRefused,
+    SidecarUnreachable,
+    StateError,
+    VersionMismatch,
+)
+from controller.overlap import overlap_problem
 from controller.state import Box
 from controller.verify import VerifyReport, read_marker, verify_tree
+
+PENDING_CODES = {
+    pb.PENDING_WRITING: "UNSEALED_WRITES",
+    pb.PENDING_CHANGED: "UNSEALED_WRITES",
+    pb.PENDING_TEMP: "TEMP_FILE",
+    pb.PENDING_UNCLAIMABLE: "UNCLAIMABLE",
+}
 
 
 @dataclass(frozen=True)
@@ -38,10 +55,13 @@ class Evidence:
     pulled_dir: str
     claims: list[pb.Claim] = field(default_factory=list)
     box_manifest_digest: str = ""
-    unsealed: list[str] = field(default_factory=list)
+    pending: list[pb.Pending] = field(default_factory=list)
+    excluded_files: int = 0
+    exclude_patterns: list[str] = field(default_factory=list)
     jobs: list[pb.Job] = field(default_factory=list)
     verify: VerifyReport | None = None
     marker_digest: str = ""
+    allow_empty: bool = False
 
 
 @dataclass
@@ -66,52 +86,85 @@ class Verdict:
         }
 
 
+def sidecar_reason(e: ControllerError) -> Reason:
+    """The gate's code for a failure to get the box's side of the evidence, named for what it was."""
+    if isinstance(e, SidecarUnreachable):
+        return Reason("SIDECAR_UNREACHABLE", detail=str(e))
+    if isinstance(e, VersionMismatch):
+        return Reason("VERSION_MISMATCH", detail=str(e))
+    if isinstance(e, SidecarRefused):
+        return Reason("SIDECAR_REFUSED", detail=str(e))
+    return Reason("SIDECAR_ERROR", detail=str(e))
+
+
 async def gather(
     client: SidecarClient | None, box: Box, pulled_dir: Path | None
 ) -> tuple[Evidence, list[Reason]]:
     ev = Evidence(box=box.name, pulled_dir=str(pulled_dir or ""))
     reasons: list[Reason] = []
+    hello: pb.HelloResponse | None = None
     if client is None:
         reasons.append(Reason("SIDECAR_UNREACHABLE", detail="no sidecar socket for this box"))
     else:
         try:
-            await client.hello()
+            hello = await client.hello()
             listing = await client.list_artifacts()
             jobs = await client.list_jobs()
-        except (SidecarUnreachable, ControllerError) as e:
-            reasons.append(Reason("SIDECAR_UNREACHABLE", detail=str(e)))
+        except ControllerError as e:
+            reasons.append(sidecar_reason(e))
         else:
             ev.claims = list(listing.claims)
             ev.box_manifest_digest = listing.manifest_digest
-            ev.unsealed = list(listing.unsealed)
+            ev.pending = list(listing.pending)
+            ev.excluded_files = listing.excluded_files
+            ev.exclude_patterns = list(hello.exclude_patterns)
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
     if pulled_dir is None:
         reasons.append(
             Reason("NOT_PULLED", detail=f"nothing pulled yet: run `boxwarden pull {box.name} --to DIR`")
         )
-    else:
-        try:
-            ev.verify = verify_tree(
-                pulled_dir, roster=box.roster or None, write_marker=False, verifier_version=__version__
-            )
-        except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
-            reasons.append(Reason("NOT_PULLED", detail=str(e)))
+        return ev, reasons
+    if hello is not None:
+        overlap = overlap_problem(pulled_dir, hello)
+        if overlap:
+            # A "pulled" tree inside what it judges proves nothing: release would delete its bytes.
+            reasons.append(Reason("EVIDENCE_OVERLAP", path=str(pulled_dir), detail=overlap))
             return ev, reasons
-        try:
-            marker = read_marker(pulled_dir)
-        except ControllerError as e:
-            marker = None
-            reasons.append(Reason("NOT_VERIFIED", detail=str(e)))
-        if marker is not None:
-            ev.marker_digest = str(marker.get("manifest_digest", ""))
+    try:
+        marker = read_marker(pulled_dir)
+    except StateError as e:
+        marker = None
+        reasons.append(Reason("NOT_VERIFIED", detail=str(e)))
+    if marker is not None:
+        ev.marker_digest = str(marker.get("manifest_digest", ""))
+        ev.allow_empty = bool(marker.get("allow_empty", False))
+    try:
+        ev.verify = verify_tree(
+            pulled_dir,
+            roster=box.roster or None,
+            write_marker=False,
+            verifier_version=__version__,
+            allow_empty=ev.allow_empty,
+        )
+    except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
+        reasons.append(Reason("NOT_PULLED", detail=str(e)))
     return ev, reasons
 
 
 def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bool) -> Verdict:
     reasons = list(early)
     checks: list[Check] = []
-    reachable = not any(r.code == "SIDECAR_UNREACHABLE" for r in reasons)
-    checks.append(Check("sidecar reachable", reachable, "answered Hello" if reachable else "no answer"))
+    failed = [
+        r
+        for r in reasons
+        if r.code in ("SIDECAR_UNREACHABLE", "VERSION_MISMATCH", "SIDECAR_REFUSED", "SIDECAR_ERROR")
+    ]
+    reachable = not failed
+    checks.append(
+        Check(
+            "sidecar answered", reachable, "Hello, ListArtifacts, ListJobs" if reachable else failed[0].code
+        )
+    )
 
     if ev.verify is not None:
         v = ev.verify
@@ -121,6 +174,11 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
                 "pulled tree re-verified",
                 v.ok,
                 f"{v.files} files, {v.bytes} bytes, exact set + size + blake3 + load probe"
+                + (
+                    " (an empty run, acknowledged with verify --allow-empty)"
+                    if ev.allow_empty and not v.files
+                    else ""
+                )
                 if v.ok
                 else f"{len(v.reasons)} problem(s) in {ev.pulled_dir}",
             )
@@ -164,21 +222,22 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         checks.append(
             Check("no job running", not ev.jobs, ", ".join(j.id for j in ev.jobs) or "none running")
         )
-        for p in ev.unsealed:
+        for p in ev.pending:
             reasons.append(
-                Reason("UNSEALED_WRITES", path=p, detail="being written, or changed since its claim")
+                Reason(PENDING_CODES.get(p.state, "UNSEALED_WRITES"), path=p.path, detail=p.detail)
             )
-        checks.append(Check("no unsealed writes", not ev.unsealed, ", ".join(ev.unsealed[:5]) or "none"))
+        shown = ", ".join(p.path for p in ev.pending[:5]) + (" …" if len(ev.pending) > 5 else "")
+        checks.append(Check("every watched file claimed", not ev.pending, shown or "yes"))
+        excluded = (
+            f"{ev.excluded_files} files excluded by {', '.join(ev.exclude_patterns)} (given at up)"
+            if ev.exclude_patterns
+            else "no exclude patterns"
+        )
+        checks.append(Check("exclusions", True, excluded))
         waiting = [c for c in ev.claims if not c.durable]
         for c in waiting:
             reasons.append(Reason("NOT_DURABLE", path=c.path, detail=c.push_error or "push not proven yet"))
-        checks.append(
-            Check(
-                "every claim durable",
-                not waiting,
-                f"{len(ev.claims) - len(waiting)}/{len(ev.claims)} durable (re-read and hashed equal)",
-            )
-        )
+        checks.append(Check("every claim durable", not waiting, _durable_detail(ev.claims, len(waiting))))
 
     confirmed = confirm == ev.box
     if not dry_run:
@@ -195,7 +254,7 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         allowed=not reasons,
         reasons=reasons,
         checks=checks,
-        evidence_digest=_evidence_digest(ev),
+        evidence_digest=_evidence_digest(ev, reasons),
         box_manifest_digest=ev.box_manifest_digest,
         confirmed=confirmed,
     )
@@ -212,15 +271,46 @@ def _dedupe(reasons: list[Reason]) -> list[Reason]:
     return out
 
 
-def _evidence_digest(ev: Evidence) -> str:
-    doc = {
+def _durable_detail(claims: list[pb.Claim], waiting: int) -> str:
+    proofs = [c.proven_at_unix_ns or c.durable_at_unix_ns for c in claims if c.durable]
+    head = f"{len(claims) - waiting}/{len(claims)} durable"
+    if not proofs:
+        return head
+    oldest = min(proofs)
+    age = max(0, time.time_ns() - oldest) // 1_000_000_000
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(oldest / 1e9))
+    return (
+        f"{head}; each copy was re-read from the device and hashed equal, the oldest proof at {when} "
+        f"({age}s ago); `down` proves every copy again before it deletes anything"
+    )
+
+
+def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
+    """Everything the verdict rests on, and nothing else (no clock): equal evidence, equal digest."""
+    v = ev.verify
+    return {
         "box": ev.box,
-        "at_ns": time.time_ns(),
+        "pulled_dir": ev.pulled_dir,
         "manifest": ev.box_manifest_digest,
         "marker": ev.marker_digest,
-        "claims": [[c.path, c.size, c.blake3, c.durable] for c in ev.claims],
-        "jobs": [j.id for j in ev.jobs],
-        "unsealed": ev.unsealed,
-        "verified_ok": ev.verify.ok if ev.verify else None,
+        "allow_empty": ev.allow_empty,
+        "claims": [[c.path, c.size, c.blake3, c.durable, c.proven_at_unix_ns] for c in ev.claims],
+        "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
+        "pending": [[p.path, int(p.state), p.detail] for p in ev.pending],
+        "excluded": [ev.excluded_files, ev.exclude_patterns],
+        "verified": None
+        if v is None
+        else {
+            "ok": v.ok,
+            "files": v.files,
+            "bytes": v.bytes,
+            "manifest": v.manifest_digest,
+            "probes": [p.to_json() for p in v.probes],
+        },
+        "reasons": [r.to_json() for r in reasons],
     }
-    return blake3.blake3(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def _evidence_digest(ev: Evidence, reasons: list[Reason]) -> str:
+    doc = evidence_document(ev, reasons)
+    return blake3.blake3(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()

@@ -1,5 +1,7 @@
 """The files written beside a pulled tree: MANIFEST.json (schema `boxwarden.manifest/1`, the claims
-the tree must match) and the crash-safe JSON writer used for it and for PULL_VERIFIED.json.
+the tree must match, and with several watched directories their names, which say where a path's
+roster cell is), the crash-safe JSON writer used for it and for PULL_VERIFIED.json, and the lock on
+a tree's root that keeps one pull at a time (and verify away from a pull).
 
 Reading a manifest is strict: anything malformed, unsafe or tampered with is a StateError naming the
 file and the field, because a manifest the verifier cannot trust must never let the gate pass.
@@ -8,6 +10,7 @@ file and the field, because a manifest the verifier cannot trust must never let 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -21,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from controller.digest import manifest_digest
-from controller.errors import StateError
+from controller.errors import ControllerError, StateError
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,9 @@ MARKER_NAME = "PULL_VERIFIED.json"
 MANIFEST_SCHEMA = "boxwarden.manifest/1"
 MARKER_SCHEMA = "boxwarden.verified/1"
 HASH_NAME = "blake3"
+
+PARTS_DIR = ".bw-parts"
+"""The directory at the tree's root where a pull keeps its partial files (removed when it ends)."""
 
 # Names at the tree's root that belong to boxwarden, so no artifact may use them.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, MARKER_NAME})
@@ -76,7 +82,7 @@ def path_problem(path: str) -> str | None:
         if part in (".", ".."):
             # `..` escapes the tree; `.` would let two spellings name one file.
             return f"{part!r} path component"
-    if path in RESERVED_NAMES:
+    if path in RESERVED_NAMES or path.split("/", 1)[0] == PARTS_DIR:
         return "reserved name"
     return None
 
@@ -103,21 +109,39 @@ class Manifest:
     files: tuple[ManifestFile, ...]
     roster: tuple[str, ...]
     digest: str
+    # The watched directories' base names when there are two or more (each path then starts with
+    # one of them); empty for one. Not part of the digest: it says how to read paths, not bytes.
+    watch_dirs: tuple[str, ...] = ()
 
     @classmethod
     def build(
-        cls, run_id: str, instance: str, files: Iterable[ManifestFile], roster: Iterable[str]
+        cls,
+        run_id: str,
+        instance: str,
+        files: Iterable[ManifestFile],
+        roster: Iterable[str],
+        watch_dirs: Iterable[str] = (),
     ) -> Manifest:
         """A manifest over `files` (sorted by path), its digest computed here. Raises StateError for
         an unsafe or duplicate path, so that nothing is written that could not be read back."""
         ordered = tuple(sorted(files, key=lambda f: f.path.encode("utf-8")))
         cells = tuple(roster)
+        names = tuple(watch_dirs)
         for i, f in enumerate(ordered):
             _check_file(f, f"files[{i}]", "manifest")
         _check_unique(ordered, "manifest")
         for i, cell in enumerate(cells):
             _check_cell(cell, f"roster[{i}]", "manifest")
-        return cls(run_id, instance, ordered, cells, manifest_digest(ordered))
+        _check_watch_dirs(names, ordered, "manifest")
+        return cls(run_id, instance, ordered, cells, manifest_digest(ordered), names)
+
+    def cell_of(self, path: str) -> str:
+        """The roster cell of an artifact path: its first component after the watched directory's
+        name when paths carry one (two or more watched directories), else its first component."""
+        parts = path.split("/")
+        if len(self.watch_dirs) >= 2 and len(parts) > 1:
+            return parts[1]
+        return parts[0]
 
     @property
     def total_bytes(self) -> int:
@@ -131,9 +155,37 @@ class Manifest:
             "hash": HASH_NAME,
             "files": [f.to_json() for f in self.files],
             "roster": list(self.roster),
+            "watch_dirs": list(self.watch_dirs),
             "totals": {"files": len(self.files), "bytes": self.total_bytes},
             "digest": self.digest,
         }
+
+
+def lock_tree(root: Path, *, exclusive: bool) -> int:
+    """Open the tree's root directory and lock it (a pull: exclusive; a verify: shared), without
+    waiting. Returns the fd, which holds the lock until it is closed. ControllerError if another
+    pull holds it (or a verify, for an exclusive lock)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+    if exclusive:
+        # A pull writes relative to this fd: it must be the resolved directory, not a symlink to one.
+        flags |= os.O_NOFOLLOW
+    try:
+        fd = os.open(root, flags)
+    except OSError as exc:
+        raise StateError(f"{root}: cannot open the directory: {exc.strerror or exc}") from exc
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        if exclusive:
+            raise ControllerError(
+                f"another pull into {root} is running (or a verify of it); wait for it"
+            ) from None
+        raise ControllerError(f"another pull into {root} is running; wait for it") from None
+    except OSError as exc:
+        os.close(fd)
+        raise StateError(f"{root}: cannot lock the directory: {exc.strerror or exc}") from exc
+    return fd
 
 
 def fsync_dir(directory: Path) -> None:
@@ -215,6 +267,11 @@ def read_manifest(path: Path) -> Manifest:
     files = tuple(_parse_file(raw, f"files[{i}]", where) for i, raw in enumerate(raw_files))
     _check_unique(files, where)
     roster = tuple(_parse_cell(raw, f"roster[{i}]", where) for i, raw in enumerate(raw_roster))
+    raw_watch = doc.get("watch_dirs", [])
+    if not isinstance(raw_watch, list):
+        raise StateError(f"{where}: field 'watch_dirs' must be list, got {type(raw_watch).__name__}")
+    watch_dirs = tuple(_parse_cell(raw, f"watch_dirs[{i}]", where) for i, raw in enumerate(raw_watch))
+    _check_watch_dirs(watch_dirs, files, where)
 
     totals = doc.get("totals")
     if totals is not None:
@@ -228,7 +285,7 @@ def read_manifest(path: Path) -> Manifest:
             "(the manifest was edited)"
         )
     ordered = tuple(sorted(files, key=lambda f: f.path.encode("utf-8")))
-    return Manifest(run_id, instance, ordered, roster, digest)
+    return Manifest(run_id, instance, ordered, roster, digest, watch_dirs)
 
 
 def _field(doc: dict[str, Any], name: str, kind: type[_T], where: str) -> _T:
@@ -290,6 +347,21 @@ def _check_unique(files: Sequence[ManifestFile], where: str) -> None:
             parent = "/".join(parts[:depth])
             if parent in seen:
                 raise StateError(f"{where}: field 'files' lists {parent!r} as a file and as a directory")
+
+
+def _check_watch_dirs(names: Sequence[str], files: Sequence[ManifestFile], where: str) -> None:
+    """Each name one path component, no repeats, and (with two or more) every path under one."""
+    for i, name in enumerate(names):
+        _check_cell(name, f"watch_dirs[{i}]", where)
+    if len(set(names)) != len(names):
+        raise StateError(f"{where}: field 'watch_dirs' names a directory twice: {list(names)!r}")
+    if len(names) < 2:
+        return
+    for i, f in enumerate(files):
+        if f.path.split("/", 1)[0] not in names or "/" not in f.path:
+            raise StateError(
+                f"{where}: field 'files[{i}].path' is {f.path!r}, not under one of watch_dirs {list(names)!r}"
+            )
 
 
 def _parse_cell(raw: object, field: str, where: str) -> str:

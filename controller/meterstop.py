@@ -12,6 +12,9 @@ anything is released; no shell ever sees them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,27 +68,40 @@ class Plan:
 
 
 async def run_argv(argv: list[str], timeout_s: float = COMMAND_TIMEOUT_S) -> Ran:
+    """Run a filled command in its own session; on a timeout (or Ctrl-C) kill its whole process
+    group, so that nothing it started lives on to act on the provider after we gave up on it."""
     try:
         proc = await asyncio.create_subprocess_exec(
             *argv,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
         )
     except OSError as e:
         return Ran(127, "", f"cannot run {argv[0]!r}: {e.strerror}", ran=False)
     try:
         out, err = await asyncio.wait_for(proc.communicate(), timeout=timeout_s)
     except TimeoutError:
-        proc.kill()
+        _kill_group(proc.pid)
         await proc.wait()
         return Ran(-9, "", f"{argv[0]} did not finish within {timeout_s:.0f}s and was killed", ran=False)
+    except BaseException:
+        _kill_group(proc.pid)
+        raise
     assert proc.returncode is not None
     return Ran(
         proc.returncode,
         out.decode(errors="replace")[-OUTPUT_TAIL:],
         err.decode(errors="replace")[-OUTPUT_TAIL:],
     )
+
+
+def _kill_group(pgid: int) -> None:
+    """SIGKILL the session's process group (its leader's pid is its id; the group outlives the
+    leader while any member lives)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def plan(profile: Profile, box: Box) -> Plan | None:

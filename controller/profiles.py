@@ -9,7 +9,9 @@ run a shell is refused here, before anything can run it.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -103,12 +105,14 @@ class Profile:
         return tier.survives_destroy if self.meter_stop.irreversible else tier.survives_stop
 
     def tier_for(self, path: str, home: str) -> Tier | None:
-        """The tier a box path lands on: the tier whose mount is the longest prefix of it."""
+        """The tier a box path lands on: the tier whose mount is the longest prefix of it. Both sides
+        are resolved (symlinks, `..`, `~` as `home`): a path reached through a symlink onto a tier
+        is on that tier."""
+        real = os.path.realpath(path)
         best: tuple[int, Tier] | None = None
         for t in self.storage:
-            mount = home + t.path[1:] if t.path.startswith("~") else t.path
-            mount = mount.rstrip("/") or "/"
-            inside = path == mount or path.startswith(mount.rstrip("/") + "/")
+            mount = os.path.realpath(home + t.path[1:] if t.path.startswith("~") else t.path)
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
             if inside and (best is None or len(mount) > best[0]):
                 best = (len(mount), t)
         return best[1] if best else None
@@ -247,18 +251,36 @@ def _tier(t: Fields, verified: str) -> Tier:
         note=t.text("note", required=False),
         verified=_date(t, verified),
     )
-    if not (tier.path.startswith("/") or tier.path.startswith("~")):
-        raise t.fail("path", f"{tier.path!r} must be absolute (or start with ~)")
+    if not (tier.path.startswith("/") or tier.path == "~" or tier.path.startswith("~/")):
+        raise t.fail("path", f"{tier.path!r} must be absolute (or ~, or start with ~/)")
     t.done()
     return tier
 
 
+MAX_PROFILE_BYTES = 1 << 20
+
+
 def load_file(path: Path) -> Profile:
-    """Read and validate a profile file (a user's own, or a shipped one)."""
+    """Read and validate a profile file (a user's own, or a shipped one): a regular file of at most
+    1 MiB of UTF-8, checked on the open file before reading (a FIFO or /dev/zero would never end)."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise UsageError(f"{path}: cannot read the profile: {e.strerror}") from e
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise UsageError(f"{path}: cannot read the profile: {why}") from e
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{path}: not a regular file; give --profile-file a TOML file")
+        if st.st_size > MAX_PROFILE_BYTES:
+            raise UsageError(f"{path}: {st.st_size} bytes; a profile is at most 1 MiB, give the right file")
+        data = f.read(MAX_PROFILE_BYTES + 1)
+    if len(data) > MAX_PROFILE_BYTES:
+        raise UsageError(f"{path}: more than 1 MiB; a profile is at most 1 MiB, give the right file")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start}); save the profile as UTF-8 TOML") from e
     return _loads(text, file=str(path), stem=path.stem)
 
 

@@ -1,15 +1,27 @@
 """Pull: bring every current claim of a box home, hashing on receipt, and write MANIFEST.json beside it.
 
-Each file arrives as `<path>.bw-part` (resumed from its size after an interruption: the bytes already
-there are hashed first), and is renamed into place only when its size and blake3 equal the claim.
-A file already present with the claim's size and digest is skipped. Nothing local is ever deleted
-except our own `.bw-part` files: a stale file from an older pull stays and `verify` reports it EXTRA.
+Before the first byte is fetched, everything that can be checked is: the tree does not overlap the
+box's own directories (`overlap.py`), it can live where it is asked to, and every claim's path can
+be created (no file where a directory must go, no directory or symlink where a file must go, no name
+too long). The whole pull holds an exclusive lock on the tree's root directory.
+
+Each file arrives as `<root>/.bw-parts/<32 hex of blake3(path)>.part` (a name that fits any
+filesystem), opened relative to directory fds and never through a symlink; an interrupted transfer
+resumes from the part file's size (the bytes already there are hashed first). It is renamed into
+place only when its size and blake3 equal the claim; a mismatch after a resumed transfer is fetched
+again once from offset 0. A file already present with the claim's size and digest is skipped.
+Nothing local is ever deleted except our own part files: a stale file from an older pull stays and
+`verify` reports it EXTRA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,23 +29,28 @@ from pathlib import Path
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.client import SidecarClient
-from controller.digest import StreamHasher, file_digest
-from controller.errors import SidecarUnreachable, TransferError
+from controller.digest import StreamHasher, digest_file, path_key
+from controller.errors import SidecarUnreachable, TransferError, UsageError
 from controller.manifest import (
+    PARTS_DIR,
     RESERVED_NAMES,
     Manifest,
     ManifestFile,
-    fsync_dir,
-    path_problem,
+    lock_tree,
     utc_iso_from_unix_ns,
     write_manifest,
 )
+from controller.overlap import check_claim_paths, destination_problem, overlap_problem, resolve_loose
 
 logger = logging.getLogger(__name__)
 
-PART_SUFFIX = ".bw-part"
+LEGACY_PART_SUFFIX = ".bw-part"  # where older versions kept a partial file: picked up to resume
 ATTEMPTS = 3
 Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_PART_NAME = re.compile(r"[0-9a-f]{32}\.part")
+_PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass
@@ -45,6 +62,7 @@ class PullReport:
     bytes_fetched: int = 0
     extra_local: list[str] = field(default_factory=list)
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
+    restarted: list[str] = field(default_factory=list)  # resumed, mismatched, fetched again from 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -56,21 +74,8 @@ class PullReport:
             "bytes_fetched": self.bytes_fetched,
             "extra_local": self.extra_local,
             "resumed": self.resumed,
+            "restarted": self.restarted,
         }
-
-
-def _dest(root: Path, rel: str) -> Path:
-    problem = path_problem(rel)
-    if problem:
-        raise TransferError(f"the sidecar listed an unsafe path {rel!r} ({problem}); refusing to write it")
-    dest = root.joinpath(*rel.split("/"))
-    # Never write through a symlink planted in the destination tree.
-    cur = root
-    for part in rel.split("/")[:-1]:
-        cur = cur / part
-        if cur.is_symlink():
-            raise TransferError(f"{cur} is a symlink; refusing to write {rel} through it")
-    return dest
 
 
 async def pull(
@@ -81,102 +86,326 @@ async def pull(
     instance: str,
     roster: tuple[str, ...],
     progress: Progress | None = None,
+    hello: pb.HelloResponse | None = None,
 ) -> PullReport:
+    """Pull every current claim into `root`. `hello`: the box's Hello answer (asked here if None).
+
+    UsageError (nothing written) for a tree that overlaps the box's directories or cannot live at
+    `root`; TransferError for a claim that cannot be written or did not arrive intact.
+    """
+    if hello is None:
+        hello = await client.hello()
+    root = resolve_loose(root)
+    problem = overlap_problem(root, hello) or destination_problem(root)
+    if problem:
+        raise UsageError(f"refusing to pull: {problem}")
     listing = await client.list_artifacts()
     claims = list(listing.claims)
+    watch_names = [Path(d).name for d in hello.watch_dirs] if len(hello.watch_dirs) >= 2 else []
     files = tuple(
         ManifestFile(
             path=c.path, bytes=c.size, blake3=c.blake3, sealed_at=utc_iso_from_unix_ns(c.sealed_at_unix_ns)
         )
         for c in claims
     )
-    manifest = Manifest.build(run_id, instance, files, roster)
+    manifest = Manifest.build(run_id, instance, files, roster, watch_names)
     if manifest.digest != listing.manifest_digest:
         raise TransferError(
             "the sidecar's manifest digest does not match its own claims as computed here; "
             "controller and sidecar disagree on the digest rule (version skew?)"
         )
-    root.mkdir(parents=True, exist_ok=True)
+    check_claim_paths(root, [c.path for c in claims])
+    created = _make_root(root)
+    try:
+        root_fd = lock_tree(root, exclusive=True)
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        return await _pull_locked(client, root, root_fd, claims, manifest, progress)
+    finally:
+        os.close(root_fd)
+
+
+async def _pull_locked(
+    client: SidecarClient,
+    root: Path,
+    root_fd: int,
+    claims: list[pb.Claim],
+    manifest: Manifest,
+    progress: Progress | None,
+) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
-    for claim in claims:
-        dest = _dest(root, claim.path)
-        present = dest.is_file() and not dest.is_symlink() and dest.stat().st_size == claim.size
-        if present and file_digest(dest) == claim.blake3:
-            report.skipped.append(claim.path)
-            if progress:
-                progress(claim.path, claim.size, claim.size)
-            continue
-        report.bytes_fetched += await _fetch(client, claim, dest, progress, report.resumed)
-        report.fetched.append(claim.path)
-    wanted = {c.path for c in claims}
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in wanted and rel not in RESERVED_NAMES:
-                report.extra_local.append(rel)
-    write_manifest(root, manifest)
+    parts_fd = _open_parts_dir(root, root_fd)
+    try:
+        claim_paths = {c.path for c in claims}
+        for claim in claims:
+            *dirs, name = claim.path.split("/")
+            parent_fd = _open_parent(root, root_fd, dirs)
+            try:
+                if _present(parent_fd, name, claim):
+                    report.skipped.append(claim.path)
+                    if progress:
+                        progress(claim.path, claim.size, claim.size)
+                    continue
+                _adopt_legacy_part(parent_fd, name, parts_fd, claim, claim_paths)
+                report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
+                try:
+                    os.replace(_part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
+                    os.fsync(parent_fd)
+                except OSError as exc:
+                    raise TransferError(
+                        f"{root / claim.path}: cannot put the received file in place: {exc.strerror or exc}; "
+                        "move what is there aside and run pull again"
+                    ) from exc
+                report.fetched.append(claim.path)
+            finally:
+                os.close(parent_fd)
+        _clear_parts(parts_fd)
+        report.extra_local = _extra_local(root, claim_paths)
+        write_manifest(root, manifest)
+    finally:
+        os.close(parts_fd)
+        with contextlib.suppress(OSError):  # not empty: an interrupted pull left parts to resume from
+            os.rmdir(PARTS_DIR, dir_fd=root_fd)
     return report
 
 
-async def _fetch(
-    client: SidecarClient, claim: pb.Claim, dest: Path, progress: Progress | None, resumed: dict[str, int]
-) -> int:
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_name(dest.name + PART_SUFFIX)
-    fetched = 0
-    for attempt in range(1, ATTEMPTS + 1):
+def _make_root(root: Path) -> list[Path]:
+    """Create `root` and its missing parents; returns those it created (deepest last)."""
+    missing: list[Path] = []
+    here = root
+    while not os.path.lexists(here):
+        missing.insert(0, here)
+        here = here.parent
+    created: list[Path] = []
+    for d in missing:
         try:
-            fetched += await _fetch_once(client, claim, part, progress, resumed)
-            break
+            d.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            _remove_empty(created)
+            raise UsageError(
+                f"cannot create {d}: {exc.strerror or exc}; pull into a directory you can create (--to)"
+            ) from exc
+        created.append(d)
+    return created
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
+def _open_parts_dir(root: Path, root_fd: int) -> int:
+    where = root / PARTS_DIR
+    with contextlib.suppress(FileExistsError):
+        try:
+            os.mkdir(PARTS_DIR, 0o700, dir_fd=root_fd)
+        except OSError as exc:
+            if exc.errno == errno.EEXIST:
+                raise
+            raise TransferError(f"cannot create {where}: {exc.strerror or exc}") from exc
+    try:
+        fd = os.open(PARTS_DIR, _DIR_FLAGS, dir_fd=root_fd)
+    except OSError as exc:
+        raise TransferError(
+            f"{where} is not a directory of ours ({exc.strerror or exc}): remove it and run pull again"
+        ) from exc
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid():
+        os.close(fd)
+        raise TransferError(f"{where} belongs to uid {st.st_uid}, not to you: remove it and run pull again")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _open_parent(root: Path, root_fd: int, dirs: list[str]) -> int:
+    """An fd of the claim's parent directory, creating what is missing, never through a symlink."""
+    fd = os.dup(root_fd)
+    here = root
+    try:
+        for part in dirs:
+            here = here / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o755, dir_fd=fd)
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except OSError as exc:
+        os.close(fd)
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise TransferError(f"cannot create or open the directory {here}: {why}; move it aside") from exc
+    return fd
+
+
+def _present(parent_fd: int, name: str, claim: pb.Claim) -> bool:
+    """The claim's file is already here with its size and digest."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != claim.size:
+            return False
+        return digest_file(name, dir_fd=parent_fd).blake3 == claim.blake3
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.info("%s: the local copy could not be hashed (%s); fetching it", claim.path, exc)
+        return False
+
+
+def _part_name(claim: pb.Claim) -> str:
+    return f"{path_key(claim.path)}.part"
+
+
+def _adopt_legacy_part(
+    parent_fd: int, name: str, parts_fd: int, claim: pb.Claim, claim_paths: set[str]
+) -> None:
+    """Resume from `<name>.bw-part` beside the file, where an older version left a partial copy."""
+    legacy = name + LEGACY_PART_SUFFIX
+    sibling = claim.path + LEGACY_PART_SUFFIX
+    if sibling in claim_paths:
+        return  # an artifact of that name, not a partial copy
+    try:
+        os.stat(_part_name(claim), dir_fd=parts_fd, follow_symlinks=False)
+        return  # a current part file wins
+    except FileNotFoundError:
+        pass
+    try:
+        if stat.S_ISREG(os.stat(legacy, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+            os.rename(legacy, _part_name(claim), src_dir_fd=parent_fd, dst_dir_fd=parts_fd)
+            logger.info("%s: resuming from the partial file %s", claim.path, legacy)
+    except OSError:
+        return  # none there (or a name too long to have one)
+
+
+async def _fetch(
+    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
+) -> int:
+    """Fetch the claim into its part file (resuming); returns the bytes received."""
+    fetched = 0
+    breaks = 0
+    restarted = False
+    while True:
+        try:
+            received, offset, total, digest = await _fetch_once(client, claim, parts_fd, progress, report)
         except SidecarUnreachable as e:
-            if attempt == ATTEMPTS:
+            breaks += 1
+            if breaks >= ATTEMPTS:
                 raise TransferError(
                     f"{claim.path}: the stream broke {ATTEMPTS} times ({e}); run pull again to resume"
                 ) from e
             logger.warning("%s: stream broke (%s), resuming", claim.path, e)
-    os.replace(part, dest)
-    fsync_dir(dest.parent)
-    return fetched
+            continue
+        fetched += received
+        if total == claim.size and digest == claim.blake3:
+            return fetched
+        if offset and not restarted:
+            # The bytes kept from before may be what is wrong: fetch the whole file once more.
+            logger.warning("%s: resumed copy hashed %s…, fetching it again from 0", claim.path, digest[:12])
+            report.restarted.append(claim.path)
+            restarted = True
+            _truncate_part(parts_fd, claim)
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_part_name(claim), dir_fd=parts_fd)
+        raise TransferError(
+            f"{claim.path}: received {total} bytes hashing {digest[:12]}…, the claim is {claim.size} bytes "
+            f"{claim.blake3[:12]}…; the partial copy was removed, run pull again"
+        )
+
+
+def _open_part(parts_fd: int, claim: pb.Claim) -> int:
+    part = _part_name(claim)
+    try:
+        try:
+            fd = os.open(part, _PART_FLAGS, dir_fd=parts_fd)
+        except FileNotFoundError:
+            fd = os.open(part, _PART_FLAGS | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=parts_fd)
+    except OSError as exc:
+        raise TransferError(
+            f"{PARTS_DIR}/{part} (partial copy of {claim.path}): cannot open it ({exc.strerror or exc}); "
+            "remove it and run pull again"
+        ) from exc
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise TransferError(
+            f"{PARTS_DIR}/{part} (partial copy of {claim.path}) is not a plain file of ours; "
+            "remove it and run pull again"
+        )
+    return fd
+
+
+def _truncate_part(parts_fd: int, claim: pb.Claim) -> None:
+    fd = _open_part(parts_fd, claim)
+    try:
+        os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
 
 
 async def _fetch_once(
-    client: SidecarClient, claim: pb.Claim, part: Path, progress: Progress | None, resumed: dict[str, int]
-) -> int:
-    hasher = StreamHasher()
-    offset = 0
-    if part.exists() and not part.is_symlink():
-        offset = part.stat().st_size
+    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
+) -> tuple[int, int, int, str]:
+    """One transfer into the part file; returns (bytes received, offset resumed from, total, digest)."""
+    fd = _open_part(parts_fd, claim)
+    try:
+        offset = os.fstat(fd).st_size
         if offset > claim.size:
-            part.unlink()
+            os.ftruncate(fd, 0)
             offset = 0
-    if offset:
-        resumed[claim.path] = offset
-    mode = "r+b" if offset else "w+b"
-    with open(part, mode) as f:
+        hasher = StreamHasher()
         # Resume: the bytes already here are part of the digest too.
-        while chunk := f.read(8 << 20):
+        while chunk := os.pread(fd, 8 << 20, hasher.bytes_seen):
             hasher.update(chunk)
         if hasher.bytes_seen != offset:
-            raise TransferError(f"{part} changed while being resumed")
+            raise TransferError(f"the partial copy of {claim.path} changed while being resumed")
+        if offset:
+            report.resumed[claim.path] = offset
         received = 0
         try:
             async for msg in client.read_artifact(claim.path, offset, claim.blake3):
                 if msg.offset != offset + received:
                     raise TransferError(f"{claim.path}: chunk at {msg.offset}, expected {offset + received}")
-                f.write(msg.data)
+                _pwrite_all(fd, memoryview(msg.data), msg.offset)
                 hasher.update(msg.data)
                 received += len(msg.data)
                 if progress:
                     progress(claim.path, offset + received, claim.size)
         finally:
-            f.flush()
-            os.fsync(f.fileno())
-    total = offset + received
-    digest = hasher.hexdigest()
-    if total != claim.size or digest != claim.blake3:
-        part.unlink()
-        raise TransferError(
-            f"{claim.path}: received {total} bytes hashing {digest[:12]}…, the claim is {claim.size} bytes "
-            f"{claim.blake3[:12]}…; the partial copy was removed, run pull again"
-        )
-    return received
+            os.fsync(fd)
+        return received, offset, offset + received, hasher.hexdigest()
+    except OSError as exc:
+        raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _clear_parts(parts_fd: int) -> None:
+    """Every claim is in place: part files left from claims that are gone are of no more use."""
+    for name in os.listdir(parts_fd):
+        if _PART_NAME.fullmatch(name):
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=parts_fd)
+
+
+def _extra_local(root: Path, wanted: set[str]) -> list[str]:
+    extra: list[str] = []
+    for dirpath, dirs, names in os.walk(root):
+        if Path(dirpath) == root and PARTS_DIR in dirs:
+            dirs.remove(PARTS_DIR)
+        for name in names:
+            rel = (Path(dirpath) / name).relative_to(root).as_posix()
+            if rel not in wanted and rel not in RESERVED_NAMES:
+                extra.append(rel)
+    return sorted(extra)

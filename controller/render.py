@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from rich.console import Console
-from rich.markup import escape as esc
+from rich.markup import escape as _markup_escape
 from rich.table import Table
 
 from controller.bootstrap import UpResult
@@ -24,6 +24,26 @@ from controller.state import Box
 from controller.teardown import TeardownResult
 from controller.verify import VerifyReport
 
+# What a terminal would act on instead of showing: C0 controls (ESC starts a sequence; CR and BS
+# overwrite what was shown), DEL, C1 controls (U+009B is a CSI on many terminals) and the bidi
+# embeddings, overrides and isolates that reorder the text around them (Trojan Source).
+_UNSAFE = [*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0), 0x061C, 0x200E, 0x200F]
+_UNSAFE += [*range(0x202A, 0x202F), *range(0x2066, 0x206A)]
+_ESCAPES = {c: (f"\\x{c:02x}" if c < 0x100 else f"\\u{c:04x}") for c in _UNSAFE}
+_ESCAPES_MULTILINE = {c: e for c, e in _ESCAPES.items() if chr(c) not in "\n\t"}
+
+
+def safe(text: str, *, multiline: bool = False) -> str:
+    """`text` with everything a terminal would act on shown as an escape (`\\x9b`, `\\u202e`), so that
+    a name, path or detail from the box or a file is seen as it is. `multiline` keeps newlines and
+    tabs (messages, console steps); never for one name or path."""
+    return text.translate(_ESCAPES_MULTILINE if multiline else _ESCAPES)
+
+
+def esc(text: str, *, multiline: bool = False) -> str:
+    """Untrusted text made safe to print with markup: terminal controls escaped, markup escaped."""
+    return _markup_escape(safe(text, multiline=multiline))
+
 
 def _console() -> Console:
     # Built per call so that a redirected sys.stderr (tests, pipes) is honoured.
@@ -35,11 +55,11 @@ def info(msg: str) -> None:
 
 
 def error(msg: str) -> None:
-    _console().print(f"[bold red]error:[/] {esc(msg)}")
+    _console().print(f"[bold red]error:[/] {esc(msg, multiline=True)}")
 
 
 def warn(msg: str) -> None:
-    _console().print(f"[bold yellow]warning:[/] {esc(msg)}")
+    _console().print(f"[bold yellow]warning:[/] {esc(msg, multiline=True)}")
 
 
 def json_out(doc: object) -> None:
@@ -64,7 +84,7 @@ def reasons(rs: Sequence[Reason]) -> None:
     c = _console()
     for r in rs:
         where = f" {r.path}" if r.path else ""
-        c.print(f"  [red]{r.code}[/]{esc(where)}: {esc(r.detail)}")
+        c.print(f"  [red]{esc(r.code)}[/]{esc(where)}: {esc(r.detail, multiline=True)}")
 
 
 def up_result(box: Box, res: UpResult) -> None:
@@ -79,7 +99,7 @@ def up_result(box: Box, res: UpResult) -> None:
 
 def job_started(job: pb.Job) -> None:
     info(
-        f"job [bold]{job.id}[/] started (pid {job.pid}, cell {esc(job.cell or '-')}); "
+        f"job [bold]{esc(job.id)}[/] started (pid {job.pid}, cell {esc(job.cell or '-')}); "
         f"log: {esc(job.log_path)}"
     )
 
@@ -126,8 +146,16 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
             sealed,
         )
     _console().print(t)
-    if listing.unsealed:
-        warn("not sealed yet (being written or changed): " + ", ".join(listing.unsealed))
+    states = {
+        pb.PENDING_WRITING: "being written",
+        pb.PENDING_CHANGED: "not sealed as it is now",
+        pb.PENDING_TEMP: "temp name",
+        pb.PENDING_UNCLAIMABLE: "unclaimable",
+    }
+    for p in listing.pending:
+        warn(f"{p.path}: {states.get(p.state, 'pending')}: {p.detail}")
+    if listing.excluded_files:
+        info(f"{listing.excluded_files} files excluded by the patterns given at up")
 
 
 @contextmanager
@@ -203,7 +231,7 @@ def teardown(res: TeardownResult) -> None:
 def manual_steps(box: str, steps: str) -> None:
     c = _console()
     c.print(f"[bold yellow]stop the meter of {box} by hand[/] (boxwarden cannot do it on this platform):")
-    c.print(steps, markup=False)
+    c.print(safe(steps, multiline=True), markup=False)
 
 
 def ask_done() -> bool:
@@ -243,7 +271,7 @@ def platform_notices(p: Profile) -> None:
             )
     labels = {"pip_index": "pip index mirror", "hf_endpoint": "Hugging Face mirror", "note": "network"}
     for key, value in p.mirrors.items():
-        c.print(f"  {labels.get(key, key)}: {value}", markup=False)
+        c.print(safe(f"  {labels.get(key, key)}: {value}"), markup=False)
 
 
 def profile_summary(p: Profile) -> dict[str, object]:
@@ -313,11 +341,11 @@ def profile_show(p: Profile) -> None:
     c.print(f"meter stop: [bold]{esc(ms.verb)}[/] — {irreversible} [dim](verified {esc(ms.verified)})[/]")
     if ms.mode == "argv":
         gone_when = " ".join(ms.poll.argv) if ms.poll else ""
-        c.print(f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {gone_when}", markup=False)
+        c.print(safe(f"  boxwarden runs: {' '.join(ms.argv)}; gone when: {gone_when}"), markup=False)
     elif ms.mode == "manual":
-        c.print(f"  by hand: {ms.manual}", markup=False)
+        c.print(safe(f"  by hand: {ms.manual}", multiline=True), markup=False)
     if ms.note:
-        c.print(f"  note: {ms.note}", markup=False)
+        c.print(safe(f"  note: {ms.note}", multiline=True), markup=False)
     t = Table(title=f"what survives on {esc(p.name)}")
     for col in (
         "tier",
@@ -338,14 +366,14 @@ def profile_show(p: Profile) -> None:
         )
     c.print(t)
     if p.spot.available and p.spot.signal:
-        c.print(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s", markup=False)
+        c.print(safe(f"spot: yes — {p.spot.signal}, then killed after ~{p.spot.grace_s}s"), markup=False)
     elif p.spot.available:
         c.print("spot: yes — preempted with no signal and no grace: only pushed checkpoints survive")
     else:
         c.print("spot: not offered")
-    c.print(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}", markup=False)
+    c.print(safe(f"detach: {p.detach}{' — ' + p.detach_note if p.detach_note else ''}"), markup=False)
     if p.inode_cap or p.inode_note:
-        c.print(f"inodes: {p.inode_cap or ''} {p.inode_note}".rstrip(), markup=False)
+        c.print(safe(f"inodes: {p.inode_cap or ''} {p.inode_note}".rstrip()), markup=False)
     platform_notices(p)
     for g in p.gotchas:
-        c.print(f"  • {g}", markup=False)
+        c.print(safe(f"  • {g}", multiline=True), markup=False)

@@ -1,13 +1,15 @@
 """The controller's own state: one SQLite database under $BOXWARDEN_HOME (default: the XDG state dir).
 
 It remembers each box (how to reach its sidecar, what it watches, its roster, where it was pulled)
-and keeps the teardown audit log. It never holds claims: those live on the box and are always asked
-for fresh.
+and keeps the teardown audit log; `exclusive` is the per-box lock that lets one `down` run at a
+time. It never holds claims: those live on the box and are always asked for fresh.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from controller.errors import StateError
+from controller.errors import ControllerError, StateError
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS boxes(name TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at_ns INTEGER NOT NULL);
@@ -128,3 +130,29 @@ class State:
             )
             assert cur.lastrowid is not None
             return cur.lastrowid
+
+
+@contextmanager
+def exclusive(lock_file: Path, busy: str) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_file` (created 0600, its directory 0700) for the block, or
+    fail at once: `busy` is the message, with `{pid}` filled by the holder's pid. The kernel drops
+    the lock when the holder exits, however it exits."""
+    try:
+        lock_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise StateError(f"cannot open the lock {lock_file}: {e.strerror}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+            raise ControllerError(busy.replace("{pid}", holder if holder.isdigit() else "unknown")) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)

@@ -1,8 +1,11 @@
 """Teardown on the local profile: runs only after the gate allowed it and the user named the box.
 
 It deletes the box-side copies of exactly the verified manifest's claims (the sidecar re-checks the
-manifest digest and refuses on any change), stops the sidecar, and reports "gone" only after the
-process is gone and its socket no longer answers. Every teardown is appended to the audit log.
+manifest digest, re-proves every durable copy, and hashes each file before it unlinks it), stops the
+sidecar, and reports "gone" only after the process is gone and its socket no longer answers. If the
+release refused, kept a file, or found anything new or running afterwards, the teardown stops THERE
+(exit 3, the reasons listed): the sidecar keeps watching and the meter is not touched. Every
+teardown is appended to the audit log.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 from controller import meterstop
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
-from controller.errors import ControllerError
+from controller.errors import ControllerError, GateRefused, Reason
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
@@ -71,6 +74,19 @@ async def teardown(
         released = await client.release(verdict.box_manifest_digest)
         result.deleted = list(released.deleted)
         result.kept = list(released.kept)
+        if released.refused:
+            reasons = [Reason(r.code, r.path, r.detail) for r in released.refused]
+            what = (
+                "refused, nothing was deleted"
+                if not result.deleted
+                else f"deleted {len(result.deleted)} files"
+            )
+            raise GateRefused(
+                f"the release on {box.name} {what}, and the box is not ready to be torn down; the "
+                "sidecar keeps watching and the meter was not touched. Deal with the reasons below, "
+                f"then pull, verify and `down {box.name}` again",
+                reasons,
+            )
         await client.shutdown()
         result.sidecar_gone = await wait_gone(box, hello.pid, deadline_s=20.0)
         if not result.sidecar_gone:
@@ -124,6 +140,8 @@ async def _audited(
         await steps()
     except BaseException as e:
         record["error"] = f"{type(e).__name__}: {e}" if not isinstance(e, ControllerError) else str(e)
+        if isinstance(e, GateRefused):
+            record["reasons"] = [r.to_json() for r in e.reasons]
         record["result"] = result.to_json()
         state.audit(box.name, record)
         if result.sidecar_gone:

@@ -57,8 +57,19 @@ WRAPPERS = frozenset(
     }
 )
 # Interpreters that take code on the command line.
-INTERPRETERS = re.compile(r"(python|perl|ruby|node|nodejs|php|lua|tclsh|awk|gawk|osascript)[0-9.]*")
-CODE_FLAGS = frozenset({"-c", "-e", "-E", "--eval", "--command", "-r"})
+INTERPRETERS = re.compile(
+    r"(python|pypy|perl|ruby|node|nodejs|bun|php|lua|luajit|tclsh|wish|julia|Rscript|osascript|expect)"
+    r"[0-9.]*"
+)
+# Interpreters whose first operand is the program itself: any use runs code from the command line.
+CODE_OPERAND = frozenset({"awk", "gawk", "mawk", "nawk", "sed"})
+# Short options (as letters) and long options that run code given on the command line, over all the
+# interpreters above (python -c; perl -e -E -M; ruby -e; node -e -p; php -r -R -B -E; julia -e -E).
+# A letter counts anywhere in a short-option cluster (`-Sc`, `-cprint(1)`, `-pe`): the code flag's
+# value may be glued on. This also refuses a few harmless clusters (`-Wignore`, `python3 -B`); a
+# profile command has no need of them.
+CODE_LETTERS = frozenset("ceEprRBM")
+CODE_LONG = frozenset({"--eval", "--command", "--print", "--exec", "--execute", "--code", "--run"})
 SHELL_META = re.compile(r"[;&|`$<>()*?\s\\\"']")
 BRACES = re.compile(r"\{([^{}]*)\}")
 
@@ -66,6 +77,15 @@ BRACES = re.compile(r"\{([^{}]*)\}")
 def _base(arg: str) -> str:
     """A program's name without its directory or version suffix (`/usr/bin/bash5.2` → `bash`)."""
     return re.sub(r"[0-9.\-]+$", "", arg.rsplit("/", 1)[-1])
+
+
+def code_flag(arg: str) -> bool:
+    """Whether an interpreter's argument runs code given on the command line: a code option alone
+    (`-c`), in a short-option cluster or with its value glued on (`-Sc`, `-cprint(1)`, `-E1`), or a
+    long code option, alone or with `=` (`--eval`, `--eval=...`)."""
+    if arg.startswith("--"):
+        return arg.split("=", 1)[0] in CODE_LONG
+    return arg.startswith("-") and any(ch in CODE_LETTERS for ch in arg[1:])
 
 
 def check_template(argv: tuple[str, ...], f: Fields, key: str) -> None:
@@ -78,11 +98,20 @@ def check_template(argv: tuple[str, ...], f: Fields, key: str) -> None:
         raise f.fail(key, f"runs a shell ({argv[0]!r}); give the program and its arguments directly")
     if program in WRAPPERS:
         raise f.fail(key, f"runs {argv[0]!r}, which runs another command; name the real program directly")
-    if INTERPRETERS.fullmatch(program) and any(a in CODE_FLAGS for a in argv[1:]):
-        raise f.fail(key, f"runs code given on the command line ({argv[0]!r} -c/-e); name a program instead")
-    for i, arg in enumerate(argv[1:], start=1):
-        if _base(arg) in SHELLS and i + 1 < len(argv) and argv[i + 1].startswith("-c"):
+    if program in CODE_OPERAND:
+        raise f.fail(key, f"runs {argv[0]!r}, whose program is given on the command line; name a program")
+    for i, arg in enumerate(argv):
+        if i and _base(arg) in SHELLS and i + 1 < len(argv) and argv[i + 1].startswith("-"):
             raise f.fail(key, f"passes a shell command ({arg!r} {argv[i + 1]!r}); give the program directly")
+        # The program, or a command handed on after `--` (`kubectl exec p -- python3 -c ...`).
+        runs = (i == 0 or argv[i - 1] == "--") and INTERPRETERS.fullmatch(_base(arg))
+        flag = next((a for a in argv[i + 1 :] if code_flag(a)), None) if runs else None
+        if flag is not None:
+            raise f.fail(
+                key,
+                f"runs code given on the command line ({arg!r} {flag!r}); name a program instead "
+                "(an option's value goes as its own argument: -W ignore, not -Wignore)",
+            )
     if SHELL_META.search(argv[0]) or "{" in argv[0]:
         raise f.fail(key, f"program {argv[0]!r} must be a plain program name or path, without placeholders")
     for arg in argv:

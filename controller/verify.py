@@ -4,7 +4,10 @@ one manifest digest; that marker is what the gate trusts.
 
 Fail closed throughout: symlinks are never followed, anything that is not a regular file is
 refused, a stray file is EXTRA, and an old marker is deleted before anything is checked, so a
-failed or interrupted verification can never leave a stale "verified" behind.
+failed or interrupted verification can never leave a stale "verified" behind. A shared lock on the
+tree's root keeps a pull from writing into it meanwhile (and refuses to verify while one does).
+A tree with no files verifies only when the caller says the run really produced nothing
+(`allow_empty`), and the marker records that it did.
 """
 
 from __future__ import annotations
@@ -20,18 +23,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from controller.digest import NotRegularFile, digest_file
+from controller.digest import FileChanged, NotRegularFile, digest_file
 from controller.errors import Reason, StateError
 from controller.manifest import (
     MANIFEST_NAME,
     MARKER_NAME,
     MARKER_SCHEMA,
+    PARTS_DIR,
     RESERVED_NAMES,
     Manifest,
     atomic_write_json,
     fsync_dir,
     is_digest,
     load_json_object,
+    lock_tree,
     read_manifest,
     utc_now_iso,
 )
@@ -84,17 +89,34 @@ def verify_tree(
     write_marker: bool = True,
     verifier_version: str,
     loader: CheckpointLoader | None = None,
+    allow_empty: bool = False,
 ) -> VerifyReport:
     """Verify the pulled tree at `root` against its MANIFEST.json.
 
     `roster` replaces the manifest's roster when given and non-empty (an empty list cannot weaken
-    the manifest's). `loader` loads torch checkpoints (None: torch, imported lazily). Raises
-    StateError only when verification cannot run (root missing, old marker not removable, a
-    directory unreadable); every finding about the tree is a Reason in the report.
+    the manifest's). `loader` loads torch checkpoints (None: torch, imported lazily). `allow_empty`:
+    a manifest with no files verifies (the run produced nothing) instead of being EMPTY. Raises
+    ControllerError only when verification cannot run (root missing, a pull into it running, old
+    marker not removable, a directory unreadable); every finding about the tree is a Reason.
     """
     root = Path(root)
     if not root.is_dir():
         raise StateError(f"{root}: not a directory")
+    lock_fd = lock_tree(root, exclusive=False)
+    try:
+        return _verify_locked(root, roster, write_marker, verifier_version, loader, allow_empty)
+    finally:
+        os.close(lock_fd)
+
+
+def _verify_locked(
+    root: Path,
+    roster: Sequence[str] | None,
+    write_marker: bool,
+    verifier_version: str,
+    loader: CheckpointLoader | None,
+    allow_empty: bool,
+) -> VerifyReport:
     marker = root / MARKER_NAME
     if write_marker:
         _remove_marker(root, marker)
@@ -112,9 +134,16 @@ def verify_tree(
     scan = _scan(root)
     reasons = [Reason("UNSAFE_PATH", path, why) for path, why in scan.unsafe.items()]
     listed = {f.path for f in manifest.files}
-    reasons += [Reason("EXTRA", path, "on disk but not in the manifest") for path in scan.files - listed]
-    if not manifest.files:
-        reasons.append(Reason("EMPTY", "", "the manifest lists no files; refusing to verify nothing"))
+    reasons += [Reason("EXTRA", path, _extra_detail(path)) for path in scan.files - listed]
+    if not manifest.files and not allow_empty:
+        reasons.append(
+            Reason(
+                "EMPTY",
+                "",
+                "the manifest lists no files; refusing to verify nothing (if the run really produced "
+                "nothing, verify again with --allow-empty)",
+            )
+        )
 
     good, probes, file_reasons = _check_files(root, manifest, scan, loader)
     reasons += file_reasons
@@ -125,7 +154,8 @@ def verify_tree(
     ok = not reasons
     marker_path: Path | None = None
     if ok and write_marker:
-        atomic_write_json(marker, _marker_json(manifest, cells, probes, verifier_version))
+        doc = _marker_json(manifest, cells, probes, verifier_version, allow_empty)
+        atomic_write_json(marker, doc)
         marker_path = marker
     logger.info(
         "verify %s: %s (%d files, %d reasons, manifest %s)",
@@ -162,7 +192,20 @@ def read_marker(root: Path) -> dict[str, Any] | None:
     for name, kind in (("run_id", str), ("verified_at", str), ("files", int), ("bytes", int)):
         if not isinstance(doc.get(name), kind) or isinstance(doc.get(name), bool):
             raise StateError(f"{path}: field {name!r} is missing or not {kind.__name__}")
+    # Absent in markers written before the field existed: those never verified an empty tree.
+    allow_empty = doc.get("allow_empty", False)
+    if not isinstance(allow_empty, bool):
+        raise StateError(f"{path}: field 'allow_empty' is not a boolean")
+    if doc["files"] == 0 and not allow_empty:
+        raise StateError(f"{path}: it verifies no files, but field 'allow_empty' is not true")
+    doc["allow_empty"] = allow_empty
     return doc
+
+
+def _extra_detail(path: str) -> str:
+    if path.split("/", 1)[0] == PARTS_DIR:
+        return "a partial copy left by an interrupted pull: run pull again to finish it"
+    return "on disk but not in the manifest"
 
 
 def _remove_marker(root: Path, marker: Path) -> None:
@@ -237,6 +280,9 @@ def _check_files(
             full = root / f.path
             try:
                 found = digest_file(full)
+            except FileChanged as exc:
+                reasons.append(Reason("UNREADABLE", f.path, str(exc)))
+                continue
             except NotRegularFile:
                 reasons.append(Reason("UNSAFE_PATH", f.path, "replaced by a non-regular file during verify"))
                 continue
@@ -269,8 +315,8 @@ def _check_files(
 
 
 def _roster_reasons(cells: Sequence[str], manifest: Manifest, good: set[str]) -> list[Reason]:
-    passed = {path.split("/", 1)[0] for path in good}
-    listed = {f.path.split("/", 1)[0] for f in manifest.files}
+    passed = {manifest.cell_of(path) for path in good}
+    listed = {manifest.cell_of(f.path) for f in manifest.files}
     reasons = []
     for cell in dict.fromkeys(cells):
         if cell in passed:
@@ -284,9 +330,10 @@ def _roster_reasons(cells: Sequence[str], manifest: Manifest, good: set[str]) ->
 
 
 def _marker_json(
-    manifest: Manifest, cells: Sequence[str], probes: Sequence[ProbeResult], version: str
+    manifest: Manifest, cells: Sequence[str], probes: Sequence[ProbeResult], version: str, allow_empty: bool
 ) -> dict[str, Any]:
     return {
+        "allow_empty": allow_empty,
         "schema": MARKER_SCHEMA,
         "run_id": manifest.run_id,
         "manifest_digest": manifest.digest,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import signal
@@ -19,12 +20,11 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
-from urllib.parse import quote
 
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
-from sidecar import __version__
+from sidecar import __version__, children
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
@@ -32,6 +32,7 @@ from sidecar.health import HealthHub
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
 from sidecar.paths import ArtifactNamer
+from sidecar.release import Releaser
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService
 from sidecar.storage import open_store
@@ -92,6 +93,21 @@ def _lock_state(s: Settings) -> IO[str]:
     return f
 
 
+def _bind_watch_dirs(ledger: Ledger, s: Settings) -> None:
+    """Refuse to start with other watched dirs than the ones this ledger's current claims are about:
+    the claims would all end as "deleted" while their files still sit, unwatched, on the box."""
+    wanted = json.dumps([str(d) for d in s.watch_dirs])
+    bound = ledger.meta("watch_dirs")
+    if bound is not None and bound != wanted and ledger.counts.sealed:
+        raise ConfigError(
+            f"this box's ledger holds {ledger.counts.sealed} claims about the watched dirs "
+            f"{', '.join(json.loads(bound))}; the config now names {', '.join(map(str, s.watch_dirs))}. "
+            "Watch the same dirs (or tear the box down first, which releases those claims)"
+        )
+    if bound != wanted:
+        ledger.set_meta("watch_dirs", wanted)
+
+
 def _write_pid(path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(f"{os.getpid()}\n")
@@ -118,11 +134,14 @@ async def run(s: Settings) -> None:
     signal.signal(signal.SIGIO, signal.SIG_IGN)
 
     ledger = Ledger(s.ledger_path)
+    _bind_watch_dirs(ledger, s)
     journal = Bell()
     ledger.add_event("SIDECAR_STARTED", detail=f"version {__version__} pid {os.getpid()}")
-    # Each box has its own corner of the durable store: boxes sharing one URL never overwrite
-    # each other's copies, and clean_tmp only ever touches this box's temp files.
-    store = open_store(f"{s.durable_url.rstrip('/')}/{quote(s.box_name)}")
+    # Each run of each box has its own corner of the durable store, owned by this ledger: boxes
+    # sharing one URL, and runs reusing a box name, never overwrite each other's copies, and
+    # clean_tmp only ever touches this run's temp files.
+    store = open_store(s.durable_url, (s.box_name, s.run_id))
+    store.bind_owner(ledger.ledger_id)
     leftovers = store.clean_tmp()
     if leftovers:
         logger.info("removed %d leftover durable temp files from an earlier run", leftovers)
@@ -136,9 +155,12 @@ async def run(s: Settings) -> None:
         ledger.add_event(kind, job_id=job_id, detail=detail)
         journal.ring()
 
-    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit)
+    # Orphans of our jobs reparent to us (a double-forked writer stays in view); we reap them.
+    children.become_subreaper()
+    children.install_reaper(loop)
+    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans)
     await jobs.recover()
-    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns)
+    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns, s.exclude_patterns)
     sealer = Sealer(
         namer=namer,
         ledger=ledger,
@@ -148,6 +170,14 @@ async def run(s: Settings) -> None:
         settle_s=s.settle_s,
         notify=journal.ring,
     )
+
+    def running_jobs() -> list[str]:
+        return [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
+
+    releaser = Releaser(sealer, running_jobs)
+    restored = await loop.run_in_executor(scan_executor, releaser.restore_asides)
+    if restored:
+        logger.warning("put back %d files an interrupted release had renamed aside", restored)
     watcher = Watcher(s.watch_dirs, loop)
     watcher.start()  # before the first rescan, so nothing written in between is missed
     disk_paths = [(d, "watch") for d in s.watch_dirs] + [
@@ -167,11 +197,13 @@ async def run(s: Settings) -> None:
         ledger=ledger,
         namer=namer,
         sealer=sealer,
+        releaser=releaser,
         jobs=jobs,
         health=health,
         journal=journal,
         started_at_ns=time.time_ns(),
         request_shutdown=stop.set,
+        durable_root=store.url,
     )
     sidecar_pb2_grpc.add_SidecarServicer_to_server(SidecarService(parts), server)  # type: ignore[arg-type]
     _remove_stale_socket(s.socket_path)
@@ -191,7 +223,8 @@ async def run(s: Settings) -> None:
     async def rescans() -> None:
         while True:
             await sealer.rescan()
-            await asyncio.sleep(s.rescan_s)
+            # A walk of 100,000 files costs about a second: never spend more than ~2 % of a core on it.
+            await asyncio.sleep(max(s.rescan_s, 50 * sealer.last_walk_s))
 
     async def pushes() -> None:
         attempt = 0

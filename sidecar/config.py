@@ -15,9 +15,11 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 
 from sidecar.errors import ConfigError
+from sidecar.paths import DEFAULT_TEMP_PATTERNS
 
-DEFAULT_TEMP_PATTERNS = ("*.tmp", "*.part", ".*")
 BOX_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+DEFAULT_RUN_ID = "default"
 # sun_path is 108 bytes including the NUL; stay clear of it.
 MAX_SOCKET_PATH = 104
 
@@ -31,10 +33,11 @@ class Settings:
     watch_dirs: tuple[Path, ...]
     durable_url: str
     temp_patterns: tuple[str, ...] = DEFAULT_TEMP_PATTERNS
+    exclude_patterns: tuple[str, ...] = ()
     settle_s: float = 0.2
     health_interval_s: float = 1.0
     hash_workers: int = 2
-    run_id: str = ""
+    run_id: str = DEFAULT_RUN_ID
     workdir: Path | None = None
     rescan_s: float = 10.0
 
@@ -93,6 +96,13 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
             raise fail("watch_dirs", f"{str(d)!r} is not absolute")
         if not d.is_dir():
             raise fail("watch_dirs", f"{d} is not a directory (create it first)")
+    run_id = msg.run_id or DEFAULT_RUN_ID
+    if not RUN_ID_RE.match(run_id):
+        raise fail("run_id", f"{msg.run_id!r} must match {RUN_ID_RE.pattern}")
+    for field, patterns in (("temp_patterns", msg.temp_patterns), ("exclude_patterns", msg.exclude_patterns)):
+        for pat in patterns:
+            if not pat or "\x00" in pat or pat in ("*", "**"):
+                raise fail(field, f"{pat!r} is not a usable pattern (empty, NUL, or everything)")
     if len(watch) > 1 and len({d.name for d in watch}) != len(watch):
         raise fail(
             "watch_dirs", "several watched directories must have distinct names (paths are prefixed by them)"
@@ -127,10 +137,11 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         watch_dirs=tuple(d.resolve() for d in watch),
         durable_url=msg.durable_url,
         temp_patterns=tuple(msg.temp_patterns) or DEFAULT_TEMP_PATTERNS,
+        exclude_patterns=tuple(msg.exclude_patterns),
         settle_s=(msg.settle_ms or 200) / 1000,
         health_interval_s=(msg.health_interval_ms or 1000) / 1000,
         hash_workers=msg.hash_workers or 2,
-        run_id=msg.run_id,
+        run_id=run_id,
         workdir=Path(msg.workdir) if msg.workdir else None,
         rescan_s=(msg.rescan_ms or 10000) / 1000,
     )

@@ -42,6 +42,8 @@ def job_to_pb(job: JobRecord) -> pb.Job:
         started_at_unix_ns=job.started_at_ns,
         ended_at_unix_ns=job.ended_at_ns or 0,
         log_path=job.log_path,
+        leader_exited=job.leader_exited,
+        live_pids=job.live_pids,
     )
 
 
@@ -81,16 +83,16 @@ class HealthHub:
             )
             self._track_low(str(path), set(low_space(d)))
         snap.jobs.extend(job_to_pb(j) for j in self._jobs.jobs())
-        claims = self._ledger.current_claims()
-        waiting = [c for c in claims if not c.durable]
-        oldest = min((c.sealed_at_ns for c in waiting), default=0)
+        # Counters the ledger keeps as it changes, and one index lookup: no scan of the claims.
+        n = self._ledger.counts
+        oldest = self._ledger.oldest_not_durable_ns()
         snap.artifacts.CopyFrom(
             pb.ArtifactStats(
-                sealed=len(claims),
-                durable=len(claims) - len(waiting),
-                not_durable_bytes=sum(c.size for c in waiting),
+                sealed=n.sealed,
+                durable=n.durable,
+                not_durable_bytes=n.sealed_bytes - n.durable_bytes,
                 push_lag_ms=(time.time_ns() - oldest) // 1_000_000 if oldest else 0,
-                sealed_bytes=sum(c.size for c in claims),
+                sealed_bytes=n.sealed_bytes,
             )
         )
         s = self._sampler.sample()

@@ -1,7 +1,14 @@
-"""FileIdentity: what says "these are the same bytes as before" without reading them.
+"""FileIdentity: what says "these are the same bytes as before" without reading them, and when
+that answer can be trusted.
 
-A file whose (device, inode, size, mtime_ns) is unchanged is not re-hashed after a restart; a file
-whose identity changed between the start and the end of a read was being written during it.
+The identity is (device, inode, size, mtime_ns, ctime_ns). mtime alone is forgeable (`touch -r`,
+`os.utime`), but ctime is set by the kernel on every write or metadata change and cannot be set
+back by a user. Timestamps are coarse, though: the kernel stamps them from a clock that ticks every
+few milliseconds, and some filesystems keep whole seconds only (ext4 with 128-byte inodes), so two
+writes inside one tick leave the same identity. An identity is therefore trusted as a change
+detector only once the file's ctime lies further in the past than the filesystem's granularity
+(`is_racy`): any later write must then carry a later ctime. Within that window the sealer waits,
+like git's "racily clean" rule. Write events from inotify are the second, independent detector.
 """
 
 from __future__ import annotations
@@ -10,6 +17,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+COARSE_WINDOW_NS = 2_000_000_000
+"""Racy window for a file whose timestamps are whole seconds (ext4 with 128-byte inodes: 1 s;
+FAT-like: 2 s)."""
+
+FINE_WINDOW_NS = 50_000_000
+"""Racy window for nanosecond timestamps: they still come from the kernel's coarse clock, which
+ticks every 1–10 ms (one jiffy)."""
+
 
 @dataclass(frozen=True, slots=True)
 class FileIdentity:
@@ -17,12 +32,27 @@ class FileIdentity:
     ino: int
     size: int
     mtime_ns: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, st: os.stat_result) -> FileIdentity:
-        return cls(dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns)
+        return cls(
+            dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns
+        )
 
     @classmethod
     def from_path(cls, path: Path) -> FileIdentity:
         """Identity of the file itself; a symlink is not followed (lstat)."""
         return cls.of(os.lstat(path))
+
+    def racy_window_ns(self) -> int:
+        """How long after its last change this file's identity cannot yet tell a new write apart.
+
+        Nanosecond fields that are exact multiples of a second say the filesystem keeps whole
+        seconds (a real nanosecond timestamp lands on .000000000 once in a billion)."""
+        whole_seconds = self.ctime_ns % 1_000_000_000 == 0 and self.mtime_ns % 1_000_000_000 == 0
+        return COARSE_WINDOW_NS if whole_seconds else FINE_WINDOW_NS
+
+    def is_racy(self, now_ns: int) -> bool:
+        """True if a write at `now_ns` could still leave this identity unchanged."""
+        return now_ns < self.ctime_ns + self.racy_window_ns()

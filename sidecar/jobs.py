@@ -1,12 +1,16 @@
 """Supervised training jobs: start, watch, stop and re-adopt after a sidecar restart.
 
-Owns every process the sidecar launches and the `JobRecord` that describes it. A job leads its own
-session (pgid == pid), so StopJob signals the whole group and never matches command-line text. Jobs
-outlive the sidecar: `close()` stops watching and never kills, and `recover()` re-adopts a job only
-if its PID still names the same process (its start time in /proc/PID/stat is unchanged).
+Owns every job the sidecar launches (its record lives in `sidecar.jobrecord`). A job is its whole
+process tree (see `sidecar.proctree`): it runs while its leader or any process it started lives,
+double-forked or not. Each job leads its own session and carries `BOXWARDEN_JOB_ID=<id>` in its
+environment, which every descendant inherits; membership is found by PID, session and that tag,
+never by command-line text. Jobs outlive the sidecar: `close()` stops watching and never kills,
+and `recover()` re-adopts a job whose leader (same start time) or any member still lives.
 
-Exit is observed through a pidfd registered with the event loop (Linux >= 5.3), so nothing polls
-and no thread blocks in waitpid. We spawn with `subprocess.Popen` rather than
+The leader's exit is observed through a pidfd registered with the event loop (Linux >= 5.3).
+Once the leader has exited with members left, or where pidfds are unavailable, a light poll
+re-scans /proc until the tree is empty; `jobs()` and `running()` scan afresh on every call, so
+the gate never sees a stale "not running". We spawn with `subprocess.Popen` rather than
 `asyncio.create_subprocess_exec` on purpose: an asyncio subprocess transport kills its child when
 it is closed or garbage-collected, which would take the training job down with the sidecar.
 """
@@ -20,70 +24,34 @@ import logging
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
+from sidecar import children, proctree
 from sidecar.errors import NotFoundError, PreconditionError
+from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
+
+__all__ = ["JOB_EXITED", "JOB_STARTED", "JobRecord", "JobStore", "JobSupervisor", "read_start_ticks"]
 
 logger = logging.getLogger(__name__)
 
 JOB_STARTED = "JOB_STARTED"
 JOB_EXITED = "JOB_EXITED"
 
-# Where pidfds are unavailable (old kernel, seccomp), liveness is polled at this interval.
+# Where pidfds are unavailable (old kernel, seccomp), the leader's liveness is polled this often.
 _POLL_INTERVAL_S = 0.5
+# A job whose leader has exited is re-scanned this often until its last process is gone.
+_TREE_POLL_S = 1.0
+# While StopJob waits for a tree to empty, it re-scans (and re-signals) at this pace.
+_STOP_POLL_S = 0.05
 # After SIGKILL a process normally vanishes at once; one stuck in uncommon I/O (state D) may not.
 # StopJob then answers with the job still running instead of hanging the RPC.
 _KILL_WAIT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class JobRecord:
-    """One supervised job. Immutable: every state change stores a new record."""
-
-    id: str
-    cell: str
-    argv: list[str]
-    cwd: str
-    # Only the extra variables the caller asked for, not the inherited environment.
-    env: dict[str, str]
-    pid: int
-    pgid: int
-    state: str  # "running" | "exited" | "stopped" | "lost"
-    exit_code: int | None  # negative: the signal that ended it; None: unknown
-    started_at_ns: int
-    ended_at_ns: int | None
-    log_path: str
-    # Field 22 of /proc/PID/stat at start: tells our process apart from a later one with its PID.
-    proc_start_ticks: int
-
-
-class JobStore(Protocol):
-    """Durable home of job records (the ledger implements it)."""
-
-    def save_job(self, job: JobRecord) -> None: ...
-
-    def load_jobs(self) -> list[JobRecord]: ...
-
-
-def read_start_ticks(pid: int, *, include_zombie: bool = False) -> int | None:
-    """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm (field 2) may itself hold spaces and parentheses; fields after the last ")" are fixed.
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    if len(rest) < 20 or (rest[0] in (b"Z", b"X") and not include_zombie):
-        return None
-    return int(rest[19])
 
 
 @dataclass(slots=True)
@@ -91,10 +59,13 @@ class _Watch:
     """How one running job's end is observed."""
 
     done: asyncio.Future[None]
-    popen: subprocess.Popen[bytes] | None  # None: a re-adopted job that is not our child
+    popen: subprocess.Popen[Any] | None  # None: a re-adopted job that is not our child
     pidfd: int | None = None
-    poll_task: asyncio.Task[None] | None = None
     stop_requested: bool = False
+    leader_done: bool = False
+    # True when exit_code holds the leader's real status (our child, or recorded before a restart).
+    rc_known: bool = False
+    rc: int | None = None
 
 
 class JobSupervisor:
@@ -108,22 +79,32 @@ class JobSupervisor:
         emit: Callable[[str, str, str], None],
         *,
         use_pidfd: bool = True,
+        reap: Callable[[], object] | None = None,
     ) -> None:
-        """`use_pidfd=False` forces the polling fallback (for tests of that path)."""
+        """`use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
+        given, is called on every poll to collect orphaned jobs' zombies (the sidecar is their
+        subreaper); never pass it in a process whose other children someone else waits for."""
         self._store = store
         self._log_dir = log_dir
         self._default_cwd = default_cwd
         self._emit = emit
         self._use_pidfd = use_pidfd
+        self._reap = reap
         self._jobs: dict[str, JobRecord] = {}
         self._watches: dict[str, _Watch] = {}
+        self._tags = proctree.TagReader()
+        # The tags of the latest table, so that one scan reads them once for every job.
+        self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
+        self._poll_task: asyncio.Task[None] | None = None
+        self._me = os.getpid()
         self._recovered = False
         self._closed = False
 
     # ---- queries -------------------------------------------------------------------------------
 
     def jobs(self) -> list[JobRecord]:
-        """Every known job, newest first."""
+        """Every known job, newest first, with the running ones' membership scanned now."""
+        self.refresh()
         return sorted(reversed(self._jobs.values()), key=lambda j: j.started_at_ns, reverse=True)
 
     def get(self, job_id: str) -> JobRecord:
@@ -133,6 +114,7 @@ class JobSupervisor:
             raise NotFoundError(f"no job {job_id!r}") from None
 
     def running(self) -> list[JobRecord]:
+        """Jobs with a live process, scanned now (the gate and release ask this)."""
         return [j for j in self.jobs() if j.state == "running"]
 
     def log_path(self, job_id: str) -> Path:
@@ -164,15 +146,16 @@ class JobSupervisor:
         if not workdir.is_dir():
             raise PreconditionError(f"working directory {str(workdir)!r} is not an existing directory")
         extra = dict(env or {})
-        full_env = {**os.environ, **extra}
-        executable = _resolve_program(argv[0], workdir, full_env.get("PATH", os.defpath))
-
         job_id = self._new_id()
+        # The tag goes last: a caller's variable of the same name must not hide the job's members.
+        full_env = {**os.environ, **extra, proctree.TAG: job_id}
+        executable = resolve_program(argv[0], workdir, full_env.get("PATH", os.defpath))
+
         self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_path = self._log_dir / f"{job_id}.log"
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            popen = subprocess.Popen(
+            popen = children.popen(
                 argv,
                 executable=executable,
                 cwd=workdir,
@@ -218,7 +201,7 @@ class JobSupervisor:
         return job
 
     async def stop(self, job_id: str, grace_s: float = 10.0) -> JobRecord:
-        """SIGTERM the job's process group, SIGKILL it after `grace_s`; returns the final record."""
+        """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record."""
         job = self.get(job_id)
         watch = self._watches.get(job_id)
         if job.state != "running" or watch is None:
@@ -226,77 +209,121 @@ class JobSupervisor:
         if self._closed:
             raise PreconditionError("the job supervisor is shut down")
         watch.stop_requested = True
-        self._signal_group(job_id, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.shield(watch.done), timeout=max(grace_s, 0.0))
-        except TimeoutError:
+        self._signal_tree(job_id, signal.SIGTERM)
+        if not await self._wait_end(job_id, grace_s, None):
             logger.info("job %s outlived its %.1fs grace; sending SIGKILL", job_id, grace_s)
-            self._signal_group(job_id, signal.SIGKILL)
-            try:
-                await asyncio.wait_for(asyncio.shield(watch.done), timeout=_KILL_WAIT_S)
-            except TimeoutError:
+            # Re-sent on every scan: a member may fork between one scan and the next signal.
+            if not await self._wait_end(job_id, _KILL_WAIT_S, signal.SIGKILL):
                 logger.warning("job %s (pid %s) survived SIGKILL for %ss", job_id, job.pid, _KILL_WAIT_S)
         return self._jobs[job_id]
 
-    def _signal_group(self, job_id: str, sig: signal.Signals) -> None:
+    async def _wait_end(self, job_id: str, timeout: float, resend: signal.Signals | None) -> bool:
+        watch = self._watches.get(job_id)
+        if watch is None:
+            return True
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            if resend is not None:
+                self._signal_tree(job_id, resend)
+            self.refresh()
+            remaining = deadline - time.monotonic()
+            if watch.done.done() or remaining <= 0:
+                return watch.done.done()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(watch.done), timeout=min(remaining, _STOP_POLL_S))
+
+    def _signal_tree(self, job_id: str, sig: signal.Signals) -> None:
         job = self._jobs[job_id]
         watch = self._watches.get(job_id)
         if watch is None or watch.done.done():
             return
-        # Our own child's PID (and so its group id) cannot be reused before we reap it. A
-        # re-adopted job's can, once its real parent reaps it: check it is still the same process.
-        if watch.popen is None and read_start_ticks(job.pid) != job.proc_start_ticks:
-            return
-        try:
-            os.killpg(job.pgid, sig)
-        except ProcessLookupError:
-            pass
-        except PermissionError as e:
-            raise PreconditionError(f"not allowed to signal job {job_id} (pgid {job.pgid})") from e
+        table = proctree.scan()
+        # The group first, in one call: it also reaches a child forked after the scan. Only while
+        # the group id is provably ours: our unreaped child, or a PID that still names the leader.
+        ours = (watch.popen is not None and not watch.leader_done) or table.live(
+            job.pid, job.proc_start_ticks
+        )
+        if ours:
+            try:
+                os.killpg(job.pgid, sig)
+            except ProcessLookupError:
+                pass
+            except PermissionError as e:
+                raise PreconditionError(f"not allowed to signal job {job_id} (pgid {job.pgid})") from e
+        for pid in self._members(job, table):
+            if pid != job.pid or not watch.leader_done:
+                proctree.send_signal(table.procs[pid], sig)
 
     # ---- recovery / shutdown -------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """Load recorded jobs; re-adopt the ones still running, mark the vanished ones lost."""
+        """Load recorded jobs; re-adopt the ones with a live process, finish the vanished ones."""
         if self._recovered:
             return
         self._recovered = True
+        table: proctree.ProcTable | None = None
         for job in sorted(self._store.load_jobs(), key=lambda j: j.started_at_ns):
             if job.id in self._jobs:
                 continue
             self._jobs[job.id] = job
             if job.state != "running":
                 continue
-            if job.proc_start_ticks and read_start_ticks(job.pid) == job.proc_start_ticks:
+            table = table or proctree.scan()
+            if job.proc_start_ticks and table.live(job.pid, job.proc_start_ticks):
                 self._watch(job, None)
                 if job.id in self._watches:
                     logger.info("re-adopted running job %s (pid %s)", job.id, job.pid)
                     continue
-            logger.info("job %s (pid %s) is gone or its PID was reused: lost", job.id, job.pid)
-            self._finish(job.id, "lost", None)
+            table = proctree.scan()  # the leader just vanished: its children may have moved
+            live = self._members(job, table)
+            if live:
+                logger.info(
+                    "re-adopted job %s: its leader (pid %s) is gone, %d of its processes live: %s",
+                    job.id,
+                    job.pid,
+                    len(live),
+                    live,
+                )
+                self._adopt_tree(job)
+                continue
+            if job.leader_exited:
+                logger.info("job %s's last process ended while the sidecar was away", job.id)
+                self._finish(job.id, "exited", job.exit_code)
+            else:
+                logger.info("job %s (pid %s) is gone or its PID was reused: lost", job.id, job.pid)
+                self._finish(job.id, "lost", None)
+        self.refresh()
+
+    def _adopt_tree(self, job: JobRecord) -> None:
+        loop = asyncio.get_running_loop()
+        self._watches[job.id] = _Watch(
+            done=loop.create_future(),
+            popen=None,
+            leader_done=True,
+            rc_known=job.leader_exited,
+            rc=job.exit_code if job.leader_exited else None,
+        )
+        self._ensure_poll()
 
     async def close(self) -> None:
         """Stop watching. Running jobs are left running: they survive a sidecar restart."""
         self._closed = True
         loop = asyncio.get_running_loop()
-        tasks = []
         for job_id, watch in list(self._watches.items()):
             self._unwatch(loop, watch)
-            if watch.poll_task is not None:
-                tasks.append(watch.poll_task)
             if not watch.done.done():
                 watch.done.cancel()
             logger.info("leaving job %s (pid %s) running", job_id, self._jobs[job_id].pid)
             # Our own children stay referenced (self._watches is kept) until this process exits.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+            await asyncio.gather(self._poll_task, return_exceptions=True)
 
     # ---- watching ------------------------------------------------------------------------------
 
-    def _watch(self, job: JobRecord, popen: subprocess.Popen[bytes] | None) -> None:
+    def _watch(self, job: JobRecord, popen: subprocess.Popen[Any] | None) -> None:
         loop = asyncio.get_running_loop()
-        watch = _Watch(done=loop.create_future(), popen=popen)
+        watch = _Watch(done=loop.create_future(), popen=popen, rc_known=popen is not None)
         try:
             if self._use_pidfd:
                 watch.pidfd = os.pidfd_open(job.pid)
@@ -304,7 +331,7 @@ class JobSupervisor:
                 os.kill(job.pid, 0)  # the same ProcessLookupError as pidfd_open
         except ProcessLookupError:
             if popen is None:
-                return  # gone before we could look; the caller marks it lost
+                return  # gone before we could look; the caller checks the rest of the tree
         except (AttributeError, OSError) as e:
             logger.info("no pidfd for job %s (%s); polling its liveness", job.id, e)
         # A re-adopted PID may have been reused between the caller's check and pidfd_open.
@@ -316,7 +343,7 @@ class JobSupervisor:
         if watch.pidfd is not None:
             loop.add_reader(watch.pidfd, self._on_pidfd, job.id)
         else:
-            watch.poll_task = loop.create_task(self._poll(job.id), name=f"job-poll-{job.id}")
+            self._ensure_poll()
 
     def _unwatch(self, loop: asyncio.AbstractEventLoop, watch: _Watch) -> None:
         if watch.pidfd is not None:
@@ -324,55 +351,125 @@ class JobSupervisor:
             os.close(watch.pidfd)
             watch.pidfd = None
 
-    def _ended(self, job_id: str) -> tuple[bool, int | None]:
-        """(has it ended, exit code if known). Reaps our own child."""
-        watch = self._watches[job_id]
-        if watch.popen is not None:
-            rc = watch.popen.poll()
-            return rc is not None, rc
-        job = self._jobs[job_id]
-        return read_start_ticks(job.pid) != job.proc_start_ticks, None
+    def _ensure_poll(self) -> None:
+        if self._poll_task is None or self._poll_task.done():
+            self._poll_task = asyncio.get_running_loop().create_task(self._poll(), name="job-poll")
+
+    async def _poll(self) -> None:
+        """Re-scan while some job is watched without a pidfd: a leader-less tree, or no pidfds."""
+        while not self._closed:
+            polled = [w for w in self._watches.values() if w.leader_done or w.pidfd is None]
+            if not polled:
+                return
+            fast = any(not w.leader_done for w in polled)
+            await asyncio.sleep(_POLL_INTERVAL_S if fast else _TREE_POLL_S)
+            try:
+                self.refresh()
+                if self._reap is not None:
+                    self._reap()
+            except Exception:  # the poll is all that ends these jobs: it must not die
+                logger.exception("scanning the jobs' processes failed")
 
     def _on_pidfd(self, job_id: str) -> None:
-        loop = asyncio.get_running_loop()
+        try:
+            self.refresh()
+        except Exception:
+            logger.exception("scanning job %s's processes failed", job_id)
+        watch = self._watches.get(job_id)
+        if watch is not None and watch.pidfd is not None:
+            # A readable pidfd stays readable: never leave it registered, or the loop spins.
+            logger.warning("pidfd of job %s woke but its leader lives; polling instead", job_id)
+            self._unwatch(asyncio.get_running_loop(), watch)
+            self._ensure_poll()
+
+    def refresh(self) -> None:
+        """Scan /proc now: note leader exits, each running job's live processes, and finished jobs."""
+        if self._closed or not self._watches:
+            return
+        table = proctree.scan()
+        empty = [job_id for job_id in list(self._watches) if not self._check(job_id, table)]
+        if empty:
+            # A scan is not atomic: a process forked behind the scan's position by a member that
+            # then exited is missed. Only a second look, after it, may end a job.
+            table = proctree.scan()
+            for job_id in empty:
+                if job_id in self._watches and not self._check(job_id, table):
+                    self._on_end(job_id)
+
+    def _members(self, job: JobRecord, table: proctree.ProcTable) -> list[int]:
+        if self._tagged is None or self._tagged[0] is not table:
+            self._tagged = (table, self._tags.tags(table))
+        return proctree.members(
+            table,
+            self._tagged[1],
+            job_id=job.id,
+            leader_pid=job.pid,
+            leader_ticks=job.proc_start_ticks,
+            exclude=(self._me,),
+        )
+
+    def _check(self, job_id: str, table: proctree.ProcTable) -> bool:
+        """Update one job from `table`; False when its leader is done and no member is left."""
         watch = self._watches[job_id]
         job = self._jobs[job_id]
-        if watch.stop_requested and watch.popen is not None:
-            # Sweep group members that outlived the leader; its unreaped zombie still holds the
-            # group id, so this cannot hit anyone else.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(job.pgid, signal.SIGKILL)
-        ended, rc = self._ended(job_id)
-        self._unwatch(loop, watch)
-        if ended:
-            self._on_end(job_id, rc)
-        else:
-            logger.warning("pidfd of job %s woke but the process lives; polling instead", job_id)
-            watch.poll_task = loop.create_task(self._poll(job_id), name=f"job-poll-{job_id}")
+        if not watch.leader_done:
+            if watch.popen is not None:
+                rc = watch.popen.poll()  # reaps our child: only this may, see sidecar.children
+                ended = rc is not None
+                if ended:
+                    children.release(job.pid)
+                    watch.rc = rc
+            else:
+                ended = read_start_ticks(job.pid) != job.proc_start_ticks
+            if not ended:
+                live = self._members(job, table)
+                self._update(job, live=live or [job.pid])
+                return True
+            watch.leader_done = True
+            self._unwatch(asyncio.get_running_loop(), watch)
+        live = [pid for pid in self._members(job, table) if pid != job.pid]
+        if not live:
+            return False
+        if not job.leader_exited:
+            logger.info(
+                "job %s's leader (pid %s) exited (%s); it keeps running while %s live",
+                job_id,
+                job.pid,
+                watch.rc,
+                live,
+            )
+        self._update(job, live=live, leader_exited=True, exit_code=watch.rc)
+        self._ensure_poll()
+        return True
 
-    async def _poll(self, job_id: str) -> None:
-        while True:
-            await asyncio.sleep(_POLL_INTERVAL_S)
-            ended, rc = self._ended(job_id)
-            if ended:
-                self._on_end(job_id, rc)
-                return
+    def _update(self, job: JobRecord, *, live: list[int], **changes: Any) -> None:
+        new = dataclasses.replace(job, live_pids=live, **changes)
+        if new == job:
+            return
+        self._jobs[job.id] = new
+        # Only a change of state is durable; the list of live PIDs is a snapshot for the caller.
+        if new.leader_exited != job.leader_exited:
+            try:
+                self._store.save_job(new)
+            except Exception:
+                logger.exception("could not record that job %s's leader exited", job.id)
 
-    def _on_end(self, job_id: str, rc: int | None) -> None:
+    def _on_end(self, job_id: str) -> None:
         watch = self._watches.pop(job_id)
+        self._unwatch(asyncio.get_running_loop(), watch)
         if watch.stop_requested:
             state = "stopped"
-        elif watch.popen is not None:
+        elif watch.rc_known:
             state = "exited"
         else:
             state = "lost"  # not our child: its exit status went to its real parent
-        self._finish(job_id, state, rc)
+        self._finish(job_id, state, watch.rc)
         if not watch.done.done():
             watch.done.set_result(None)
 
     def _finish(self, job_id: str, state: str, exit_code: int | None) -> None:
         job = dataclasses.replace(
-            self._jobs[job_id], state=state, exit_code=exit_code, ended_at_ns=time.time_ns()
+            self._jobs[job_id], state=state, exit_code=exit_code, ended_at_ns=time.time_ns(), live_pids=[]
         )
         self._jobs[job_id] = job
         logger.info("job %s %s (exit code %s)", job_id, state, exit_code)
@@ -394,16 +491,3 @@ class JobSupervisor:
             job_id = "j" + secrets.token_hex(4)
             if job_id not in self._jobs:
                 return job_id
-
-
-def _resolve_program(program: str, cwd: Path, path: str) -> str:
-    """The executable argv[0] names, looked up the way exec would from `cwd`."""
-    if "/" in program:
-        candidate = cwd / program
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-        raise PreconditionError(f"{program!r} is not an executable file (relative to {str(cwd)!r})")
-    found = shutil.which(program, path=path)
-    if found is None:
-        raise PreconditionError(f"{program!r} was not found on the job's PATH ({path})")
-    return found

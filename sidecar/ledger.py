@@ -4,7 +4,8 @@ Invariants this module keeps (each in ONE transaction):
 - at most one *current* claim per artifact path; a claim whose file changed is superseded by a new
   claim, never edited;
 - every claim is created together with its ARTIFACT_SEALED event, whose seq it carries;
-- a claim is marked durable only while it is still current.
+- a claim is marked durable only while it is still current;
+- the artifact counters (`counts`) move with every change, so the health tick never scans claims.
 `synchronous=FULL`: the claim that supersedes an old one must be on disk before the new bytes are
 renamed over the old durable copy, or a power cut could leave a durable claim naming wrong bytes.
 The connection is used from the event-loop thread only.
@@ -17,6 +18,7 @@ import json
 import logging
 import sqlite3
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ CREATE TABLE IF NOT EXISTS claims(
     durable INTEGER NOT NULL DEFAULT 0, durable_at_ns INTEGER NOT NULL DEFAULT 0,
     push_error TEXT NOT NULL DEFAULT '', ended_reason TEXT NOT NULL DEFAULT '');
 CREATE UNIQUE INDEX IF NOT EXISTS claims_one_current ON claims(path) WHERE current = 1;
+CREATE INDEX IF NOT EXISTS claims_not_durable ON claims(sealed_at_ns) WHERE current = 1 AND durable = 0;
 CREATE TABLE IF NOT EXISTS jobs(id TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
@@ -59,6 +62,24 @@ class ClaimRow:
     durable: bool
     durable_at_ns: int
     push_error: str
+    proven_at_ns: int = 0
+
+
+@dataclass(slots=True)
+class Counts:
+    """Current claims in numbers, kept up to date by every ledger change (no scan per health tick)."""
+
+    sealed: int = 0
+    sealed_bytes: int = 0
+    durable: int = 0
+    durable_bytes: int = 0
+
+    def add(self, size: int, durable: bool, sign: int) -> None:
+        self.sealed += sign
+        self.sealed_bytes += sign * size
+        if durable:
+            self.durable += sign
+            self.durable_bytes += sign * size
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +101,21 @@ class Ledger:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(SCHEMA)
+        cols = {r["name"] for r in self._db.execute("PRAGMA table_info(claims)")}
+        for col in ("ctime_ns", "proven_at_ns"):
+            if col not in cols:  # a ledger written by an older version: its claims re-hash once
+                self._db.execute(f"ALTER TABLE claims ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
+        self.counts = Counts()
+        for r in self._db.execute(
+            "SELECT durable, count(*) AS n, COALESCE(SUM(size), 0) AS b FROM claims WHERE current = 1"
+            " GROUP BY durable"
+        ):
+            self.counts.sealed += r["n"]
+            self.counts.sealed_bytes += r["b"]
+            if r["durable"]:
+                self.counts.durable += r["n"]
+                self.counts.durable_bytes += r["b"]
+        self.ledger_id = self._meta_default("ledger_id", uuid.uuid4().hex)
 
     def close(self) -> None:
         self._db.close()
@@ -130,23 +166,61 @@ class Ledger:
 
     # -- claims ---------------------------------------------------------------------------------
 
+    # -- meta ---------------------------------------------------------------------------------
+
+    def meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row["value"])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
+
+    def _meta_default(self, key: str, value: str) -> str:
+        with self._tx() as db:
+            db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
+        found = self.meta(key)
+        assert found is not None
+        return found
+
+    # -- claims ---------------------------------------------------------------------------------
+
+    def _uncount(self, db: sqlite3.Connection, path: str) -> None:
+        for r in db.execute("SELECT size, durable FROM claims WHERE current = 1 AND path = ?", (path,)):
+            self.counts.add(r["size"], bool(r["durable"]), -1)
+
     def add_claim(self, path: str, size: int, blake3: str, ident: FileIdentity) -> ClaimRow:
         """Record a new current claim, superseding the previous one for the same path."""
         now = time.time_ns()
         with self._tx() as db:
+            self._uncount(db, path)
             db.execute(
                 "UPDATE claims SET current = 0, ended_reason = 'superseded' WHERE path = ? AND current = 1",
                 (path,),
             )
             seq = self._event(db, "ARTIFACT_SEALED", path=path, size=size, blake3=blake3)
             db.execute(
-                "INSERT INTO claims(path, size, blake3, dev, ino, mtime_ns, sealed_at_ns, seq)"
-                " VALUES (?,?,?,?,?,?,?,?)",
-                (path, size, blake3, ident.dev, ident.ino, ident.mtime_ns, now, seq),
+                "INSERT INTO claims(path, size, blake3, dev, ino, mtime_ns, ctime_ns, sealed_at_ns, seq)"
+                " VALUES (?,?,?,?,?,?,?,?,?)",
+                (path, size, blake3, ident.dev, ident.ino, ident.mtime_ns, ident.ctime_ns, now, seq),
             )
+        self.counts.add(size, False, 1)
         claim = self.current(path)
         assert claim is not None
         return claim
+
+    def refresh_identity(self, claim_id: int, ident: FileIdentity) -> None:
+        """The file was re-read and hashes to its claim: remember its new identity (a metadata-only
+        change such as `touch` or `chmod`, or a rewrite with the same bytes). No new claim."""
+        with self._tx() as db:
+            db.execute(
+                "UPDATE claims SET dev = ?, ino = ?, mtime_ns = ?, ctime_ns = ? WHERE id = ? AND current = 1"
+                " AND size = ?",
+                (ident.dev, ident.ino, ident.mtime_ns, ident.ctime_ns, claim_id, ident.size),
+            )
+
+    def add_changed_event(self, path: str, detail: str) -> None:
+        self.add_event("ARTIFACT_CHANGED", path=path, detail=detail)
 
     def mark_durable(self, claim_id: int) -> bool:
         """Mark a claim durable; False (and nothing changes) if it is no longer current."""
@@ -156,21 +230,32 @@ class Ledger:
             ).fetchone()
             if row is None:
                 return False
+            now = time.time_ns()
             if row["durable"]:
+                db.execute("UPDATE claims SET proven_at_ns = ? WHERE id = ?", (now, claim_id))
                 return True
             db.execute(
-                "UPDATE claims SET durable = 1, durable_at_ns = ?, push_error = '' WHERE id = ?",
-                (time.time_ns(), claim_id),
+                "UPDATE claims SET durable = 1, durable_at_ns = ?, proven_at_ns = ?, push_error = ''"
+                " WHERE id = ?",
+                (now, now, claim_id),
             )
+            size = db.execute("SELECT size FROM claims WHERE id = ?", (claim_id,)).fetchone()["size"]
             self._event(db, "ARTIFACT_DURABLE", path=row["path"])
-            return True
+        self.counts.durable += 1
+        self.counts.durable_bytes += size
+        return True
 
     def mark_not_durable(self, claim_id: int, why: str) -> None:
         """A durable copy that no longer hashes equal: the claim is not durable any more."""
         with self._tx() as db:
-            row = db.execute("SELECT path FROM claims WHERE id = ? AND current = 1", (claim_id,)).fetchone()
+            row = db.execute(
+                "SELECT path, size, durable FROM claims WHERE id = ? AND current = 1", (claim_id,)
+            ).fetchone()
             if row is None:
                 return
+            if row["durable"]:
+                self.counts.durable -= 1
+                self.counts.durable_bytes -= row["size"]
             db.execute(
                 "UPDATE claims SET durable = 0, durable_at_ns = 0, push_error = ? WHERE id = ?",
                 (why, claim_id),
@@ -191,6 +276,7 @@ class Ledger:
     def end_claim(self, path: str, reason: str, event: str) -> bool:
         """The claimed file left the box (deleted, renamed away, released): its claim is no longer current."""
         with self._tx() as db:
+            self._uncount(db, path)
             cur = db.execute(
                 "UPDATE claims SET current = 0, ended_reason = ? WHERE path = ? AND current = 1",
                 (reason, path),
@@ -200,13 +286,27 @@ class Ledger:
             self._event(db, event, path=path, detail=reason)
             return True
 
+    def claim_by_id(self, claim_id: str) -> ClaimRow | None:
+        """Any claim, current or ended, by its id (given as text, as it appears in a file name)."""
+        if not claim_id.isdigit():
+            return None
+        row = self._db.execute("SELECT * FROM claims WHERE id = ?", (int(claim_id),)).fetchone()
+        return _claim(row) if row else None
+
     def current(self, path: str) -> ClaimRow | None:
         row = self._db.execute("SELECT * FROM claims WHERE path = ? AND current = 1", (path,)).fetchone()
         return _claim(row) if row else None
 
     def current_claims(self) -> list[ClaimRow]:
-        rows = self._db.execute("SELECT * FROM claims WHERE current = 1 ORDER BY path").fetchall()
-        return sorted((_claim(r) for r in rows), key=lambda c: c.path.encode())
+        rows = self._db.execute("SELECT * FROM claims WHERE current = 1").fetchall()
+        return sorted((_claim(r) for r in rows), key=lambda c: c.path.encode("utf-8", "surrogateescape"))
+
+    def oldest_not_durable_ns(self) -> int:
+        """sealed_at of the oldest current claim that is not durable; 0 if none (an index lookup)."""
+        row = self._db.execute(
+            "SELECT MIN(sealed_at_ns) FROM claims WHERE current = 1 AND durable = 0"
+        ).fetchone()
+        return int(row[0] or 0)
 
     def not_durable(self) -> list[ClaimRow]:
         rows = self._db.execute(
@@ -222,6 +322,9 @@ class Ledger:
             row = db.execute("SELECT value FROM meta WHERE key = 'store'").fetchone()
             reset = 0
             if row is not None and row["value"] != key:
+                for r in db.execute("SELECT size FROM claims WHERE current = 1 AND durable = 1"):
+                    self.counts.durable -= 1
+                    self.counts.durable_bytes -= r["size"]
                 reset = db.execute(
                     "UPDATE claims SET durable = 0, durable_at_ns = 0,"
                     " push_error = 'the durable store changed; pushing again'"
@@ -251,10 +354,17 @@ def _claim(row: sqlite3.Row) -> ClaimRow:
         path=row["path"],
         size=row["size"],
         blake3=row["blake3"],
-        identity=FileIdentity(dev=row["dev"], ino=row["ino"], size=row["size"], mtime_ns=row["mtime_ns"]),
+        identity=FileIdentity(
+            dev=row["dev"],
+            ino=row["ino"],
+            size=row["size"],
+            mtime_ns=row["mtime_ns"],
+            ctime_ns=row["ctime_ns"],
+        ),
         sealed_at_ns=row["sealed_at_ns"],
         seq=row["seq"],
         durable=bool(row["durable"]),
         durable_at_ns=row["durable_at_ns"],
         push_error=row["push_error"],
+        proven_at_ns=row["proven_at_ns"],
     )

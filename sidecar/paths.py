@@ -1,8 +1,14 @@
-"""ArtifactNamer: the mapping between files under the watched directories and artifact paths.
+"""ArtifactNamer: the mapping between entries under the watched directories and artifact paths, and
+what every entry there IS (an artifact, a save in progress, excluded by the user, or unclaimable).
 
 An artifact path is POSIX and relative to its watched directory; with several watched directories
 it is prefixed by that directory's name (the proto's PATHS rule). Every path that arrives from the
 wire goes through `to_abs`, which refuses anything that could leave its root.
+
+Nothing under a watched directory is ever silently skipped: `walk_all` reports every regular file,
+every symlink, every special file and every directory it could not list, each with its kind and,
+for the unclaimable ones, the reason and the fix. Temp patterns apply to a FILE's base name only,
+never to a directory or to the watched directory's own name.
 """
 
 from __future__ import annotations
@@ -16,6 +22,24 @@ from typing import Literal
 
 from sidecar.errors import NotFoundError, UnsafePathError
 
+DEFAULT_TEMP_PATTERNS = ("*.tmp", "*.part", "*.swp", "*.swx", ".*.swp")
+"""What real writers use for files in flight: atomic-save temps, download parts, editor swap files.
+Never ".*": torch.distributed.checkpoint writes `<dir>/.metadata`, and that is data."""
+
+RELEASE_ASIDE_PREFIX = ".bw-release."
+"""ReleaseArtifacts renames a file to `<dir>/.bw-release.<claim id>` before hashing and unlinking it;
+such a name is never sealed (an interrupted release is undone at the next start)."""
+
+# Names the controller writes at the top of a pulled tree; an artifact may not take them.
+RESERVED_TOP = frozenset({"MANIFEST.json", "PULL_VERIFIED.json", ".bw-parts"})
+
+PATH_MAX = 4096
+NAME_MAX = 255
+
+TEMP_WHY = "a temp name (a save in progress, or one left behind): finish it, delete it, or exclude it"
+
+EntryKind = Literal["artifact", "temp", "excluded", "unclaimable"]
+
 
 def check_relative(rel: str) -> tuple[str, ...]:
     """The components of a safe relative POSIX path, or UnsafePathError."""
@@ -27,22 +51,20 @@ def check_relative(rel: str) -> tuple[str, ...]:
     return parts
 
 
-# Names the controller writes beside a pulled tree; an artifact may not take them.
-RESERVED_TOP = frozenset({"MANIFEST.json", "PULL_VERIFIED.json"})
-
-
-def name_problem(art: str) -> str | None:
-    """Why a file with this artifact path can never be claimed (the controller could not take it)."""
+def name_problem(art: str, top: str) -> str | None:
+    """Why a file with this artifact path can never be claimed (the controller could not take it),
+    with what to do about it; None if it can be. `top` is the first component under the watched
+    directory (after the prefix, if any)."""
     try:
         art.encode("utf-8")
     except UnicodeEncodeError:
-        return "name is not valid UTF-8"
+        return "its name is not valid UTF-8: rename it"
     if "\\" in art:
-        return "name contains a backslash"
+        return "its name contains a backslash: rename it"
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in art):
-        return "name contains a control character"
-    if art in RESERVED_TOP:
-        return "name is reserved for the pulled tree's own files"
+        return "its name contains a control character (newline, tab, ...): rename it"
+    if top in RESERVED_TOP:
+        return f"{top!r} is reserved for the pulled tree's own files: rename it"
     return None
 
 
@@ -53,25 +75,59 @@ def display(art: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    art: str
+    art: str  # artifact path (may hold surrogate escapes: use display() on the wire)
     path: Path
-    st: os.stat_result
-    kind: Literal["artifact", "temp", "unclaimable"]
+    st: os.stat_result | None  # lstat of a file; None for an entry that could not be looked at
+    kind: EntryKind
+    why: str = ""  # for temp and unclaimable entries: what it is and what to do
 
 
 class ArtifactNamer:
-    def __init__(self, watch_dirs: tuple[Path, ...], temp_patterns: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        watch_dirs: tuple[Path, ...],
+        temp_patterns: tuple[str, ...] = DEFAULT_TEMP_PATTERNS,
+        exclude_patterns: tuple[str, ...] = (),
+    ) -> None:
         self._roots = watch_dirs
         self._prefixed = len(watch_dirs) > 1
-        self._patterns = temp_patterns
+        self._temp = temp_patterns
+        self._exclude = exclude_patterns
 
     @property
     def roots(self) -> tuple[Path, ...]:
         return self._roots
 
-    def is_temp(self, rel_parts: tuple[str, ...]) -> bool:
-        """A name matching a temp pattern, in any component, is never an artifact (e.g. `.cache/x`)."""
-        return any(fnmatch.fnmatchcase(p, pat) for p in rel_parts for pat in self._patterns)
+    # -- classification (no disk access) ---------------------------------------------------------
+
+    def is_temp_name(self, name: str) -> bool:
+        """A file base name that marks a save in progress (temp patterns, release asides)."""
+        return name.startswith(RELEASE_ASIDE_PREFIX) or any(
+            fnmatch.fnmatchcase(name, pat) for pat in self._temp
+        )
+
+    def is_excluded(self, art: str) -> bool:
+        """Excluded by the user: a pattern without '/' matches the base name, one with '/' the path."""
+        base = art.rsplit("/", 1)[-1]
+        return any(fnmatch.fnmatchcase(art if "/" in pat else base, pat) for pat in self._exclude)
+
+    def kind_of(self, art: str) -> tuple[EntryKind, str]:
+        """What a regular file at this artifact path is, and why (for the non-artifacts)."""
+        parts = art.split("/")
+        if self.is_excluded(art):
+            return "excluded", "matches an exclude pattern given at up"
+        if self.is_temp_name(parts[-1]):
+            if parts[-1].startswith(RELEASE_ASIDE_PREFIX):
+                return "temp", "put aside by a release that did not finish; the sidecar restores it at start"
+            return (
+                "temp",
+                "a temp name (a save in progress, or one left behind): finish it, delete it, or exclude it",
+            )
+        top = parts[1] if self._prefixed and len(parts) > 1 else parts[0]
+        problem = name_problem(art, top)
+        if problem:
+            return "unclaimable", problem
+        return "artifact", ""
 
     def to_artifact(self, path: Path) -> str | None:
         """The artifact path of an absolute file path, or None if it is outside the watched dirs."""
@@ -88,9 +144,9 @@ class ArtifactNamer:
 
     def claimable(self, path: Path) -> str | None:
         """The artifact path if a file here could be claimed (under a watched dir, not temp-named,
-        a name the controller can take); else None. Does not look at the disk."""
+        not excluded, a name the controller can take); else None. Does not look at the disk."""
         art = self.to_artifact(path)
-        if art is None or self.is_temp(tuple(art.split("/"))) or name_problem(art):
+        if art is None or self.kind_of(art)[0] != "artifact":
             return None
         return art
 
@@ -118,32 +174,95 @@ class ArtifactNamer:
                 raise UnsafePathError(f"{artifact!r} goes through a symlink ({cur})")
         return path
 
-    def walk(self) -> list[tuple[str, Path, os.stat_result]]:
-        """Every claimable regular file under the watched dirs: (artifact path, abs path, lstat).
+    # -- the walk --------------------------------------------------------------------------------
 
-        Symlinks are not followed and not listed: a link is not an artifact.
-        """
-        return [(e.art, e.path, e.st) for e in self.walk_all() if e.kind == "artifact"]
+    def walk(self) -> list[tuple[str, Path, os.stat_result]]:
+        """Every claimable regular file under the watched dirs: (artifact path, abs path, lstat)."""
+        return [(e.art, e.path, e.st) for e in self.walk_all() if e.kind == "artifact" and e.st is not None]
 
     def walk_all(self) -> list[Entry]:
-        """Every regular file under the watched dirs, temp-named and unclaimable ones included."""
+        """Every entry under the watched dirs that is not a directory we could list.
+
+        Regular files get their kind; a symlink, a special file, a directory that cannot be listed
+        (EACCES, EIO) or a path too long to open is reported as unclaimable with the reason. No
+        symlink is followed."""
         out: list[Entry] = []
         for root in self._roots:
-            for dirpath, _dirnames, filenames in os.walk(root, followlinks=False):
-                base = Path(dirpath)
-                for name in filenames:
-                    p = base / name
+            stack = [root]
+            while stack:
+                d = stack.pop()
+                try:
+                    with os.scandir(d) as it:
+                        entries = list(it)
+                except OSError as exc:
+                    if d == root and isinstance(exc, FileNotFoundError):
+                        out.append(self._problem(root, "the watched directory itself is gone: recreate it"))
+                        continue
+                    out.append(
+                        self._problem(
+                            d, f"cannot list this directory ({_why(exc)}): nothing in it can be checked"
+                        )
+                    )
+                    continue
+                for e in entries:
+                    p = Path(e.path)
                     try:
-                        st = os.lstat(p)
-                    except OSError:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError as exc:
+                        out.append(self._problem(p, f"cannot look at it ({_why(exc)})"))
                         continue
-                    art = self.to_artifact(p)
-                    if art is None or not stat.S_ISREG(st.st_mode):
-                        continue
-                    if self.is_temp(tuple(art.split("/"))):
-                        out.append(Entry(art, p, st, "temp"))
-                    elif name_problem(art):
-                        out.append(Entry(art, p, st, "unclaimable"))
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(p)
+                    elif stat.S_ISREG(st.st_mode):
+                        out.append(self._file(p, st))
+                    elif stat.S_ISLNK(st.st_mode):
+                        try:
+                            target = os.readlink(p)
+                        except OSError:
+                            target = "?"
+                        out.append(
+                            self._problem(
+                                p,
+                                f"a symlink (to {target!r}) is never followed: copy what it points to "
+                                "into the watched dir, or exclude it",
+                            )
+                        )
                     else:
-                        out.append(Entry(art, p, st, "artifact"))
+                        out.append(
+                            self._problem(
+                                p, f"not a regular file ({_file_type(st.st_mode)}): remove it or exclude it"
+                            )
+                        )
         return out
+
+    def _file(self, p: Path, st: os.stat_result) -> Entry:
+        art = self.to_artifact(p)
+        assert art is not None  # found under a root
+        if len(os.fsencode(p)) >= PATH_MAX:
+            return Entry(
+                art, p, st, "unclaimable", f"its path is longer than PATH_MAX ({PATH_MAX} bytes): move it up"
+            )
+        kind, why = self.kind_of(art)
+        return Entry(art, p, st, kind, why)
+
+    def _problem(self, p: Path, why: str) -> Entry:
+        art = self.to_artifact(p) or (p.name if self._prefixed else ".")
+        if self.is_excluded(art):
+            return Entry(art, p, None, "excluded", "matches an exclude pattern given at up")
+        return Entry(art, p, None, "unclaimable", why)
+
+
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" if exc.strerror else str(exc)
+
+
+def _file_type(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a fifo"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {mode:o}"

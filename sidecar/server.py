@@ -1,7 +1,8 @@
-"""SidecarService: the gRPC face of the daemon — and the ONE place domain errors become status codes.
+"""SidecarService: the gRPC face of the daemon. Handlers are thin: they validate, call the domain
+object, and build the answer; every error leaves through `rpcerrors.translated`.
 
-Handlers are thin: they validate, call the domain object, and translate. Streams send the current
-state first (replayed journal, latest health snapshot), then wait on a Bell for more.
+Streams send the current state first (replayed journal, latest health snapshot), then wait on a
+Bell for more. ListArtifacts is paged over one snapshot, so 100,000 claims never need one long call.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import stat
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
@@ -23,40 +27,31 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from sidecar import __version__
 from sidecar.bell import Bell
 from sidecar.config import Settings
-from sidecar.errors import (
-    ChangedError,
-    ConfigError,
-    NotFoundError,
-    PreconditionError,
-    SidecarError,
-    StorageError,
-    UnsafePathError,
-)
+from sidecar.errors import ChangedError, NotFoundError, PreconditionError
+from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
+from sidecar.hashing import new_hasher
 from sidecar.health import HealthHub, job_to_pb
 from sidecar.identity import FileIdentity
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import ClaimRow, EventRow, Ledger
 from sidecar.manifest import manifest_digest
 from sidecar.paths import ArtifactNamer
+from sidecar.release import Releaser
+from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
-STATUS: list[tuple[type[SidecarError], grpc.StatusCode]] = [
-    (UnsafePathError, grpc.StatusCode.INVALID_ARGUMENT),
-    (NotFoundError, grpc.StatusCode.NOT_FOUND),
-    (PreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
-    (ChangedError, grpc.StatusCode.ABORTED),
-    (StorageError, grpc.StatusCode.UNAVAILABLE),
-    (ConfigError, grpc.StatusCode.FAILED_PRECONDITION),
-]
-
-
-async def abort(context: Ctx, err: SidecarError) -> NoReturn:
-    code = next((c for t, c in STATUS if isinstance(err, t)), grpc.StatusCode.UNKNOWN)
-    await context.abort(code, str(err))
-    raise AssertionError("abort returns only by raising")  # pragma: no cover
+PAGE_SIZE = 20_000  # claims + pending entries per page: about 4 MiB, half the message limit
+SNAPSHOT_TTL_S = 300.0
+SNAPSHOTS_KEPT = 4
+PENDING_STATES = {
+    WRITING: pb.PENDING_WRITING,
+    CHANGED: pb.PENDING_CHANGED,
+    TEMP: pb.PENDING_TEMP,
+    UNCLAIMABLE: pb.PENDING_UNCLAIMABLE,
+}
 
 
 def claim_to_pb(c: ClaimRow) -> pb.Claim:
@@ -69,17 +64,24 @@ def claim_to_pb(c: ClaimRow) -> pb.Claim:
         durable=c.durable,
         durable_at_unix_ns=c.durable_at_ns,
         push_error=c.push_error,
+        proven_at_unix_ns=c.proven_at_ns,
     )
 
 
 def event_to_pb(e: EventRow) -> pb.Event:
+    try:
+        kind = pb.EventKind.Value(e.kind)
+        detail = e.detail
+    except ValueError:  # written by a newer version: pass it on rather than break the stream
+        kind = pb.EVENT_KIND_UNSPECIFIED
+        detail = f"{e.kind}: {e.detail}"
     return pb.Event(
         seq=e.seq,
         at_unix_ns=e.at_ns,
-        kind=pb.EventKind.Value(e.kind),
+        kind=kind,
         path=e.path,
         job_id=e.job_id,
-        detail=e.detail,
+        detail=detail,
         size=e.size,
         blake3=e.blake3,
     )
@@ -91,11 +93,23 @@ class Parts:
     ledger: Ledger
     namer: ArtifactNamer
     sealer: Sealer
+    releaser: Releaser
     jobs: JobSupervisor
     health: HealthHub
     journal: Bell
     started_at_ns: int
     request_shutdown: Callable[[], None]
+    durable_root: str
+
+
+@dataclass
+class _Snapshot:
+    claims: list[pb.Claim]
+    pending: list[pb.Pending]
+    digest: str
+    seq: int
+    excluded: int
+    taken: float
 
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -104,7 +118,9 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 class SidecarService:
     def __init__(self, parts: Parts) -> None:
         self._p = parts
+        self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
 
+    @translated
     async def Hello(self, request: pb.HelloRequest, context: Ctx) -> pb.HelloResponse:
         s = self._p.settings
         return pb.HelloResponse(
@@ -119,56 +135,108 @@ class SidecarService:
             pid=os.getpid(),
             run_id=s.run_id,
             workdir=str(s.job_cwd),
+            state_dir=str(s.state_dir),
+            temp_patterns=list(s.temp_patterns),
+            exclude_patterns=list(s.exclude_patterns),
+            durable_root=self._p.durable_root,
         )
 
-    async def ListArtifacts(self, request: pb.ListArtifactsRequest, context: Ctx) -> pb.ListArtifactsResponse:
+    async def _snapshot(self) -> tuple[str, _Snapshot]:
         seq = self._p.ledger.last_seq()
         claims = self._p.ledger.current_claims()
-        unsealed = await self._p.sealer.unsealed()
-        return pb.ListArtifactsResponse(
+        ev = await box_evidence(self._p.sealer)
+        snap = _Snapshot(
             claims=[claim_to_pb(c) for c in claims],
-            manifest_digest=manifest_digest(claims),
-            unsealed=unsealed,
+            pending=[
+                pb.Pending(path=p.path, state=PENDING_STATES[p.state], detail=p.detail) for p in ev.pending
+            ],
+            digest=manifest_digest(claims),
             seq=seq,
+            excluded=ev.excluded_files,
+            taken=time.monotonic(),
         )
+        token = secrets.token_hex(8)
+        self._snapshots[token] = snap
+        while len(self._snapshots) > SNAPSHOTS_KEPT:
+            self._snapshots.popitem(last=False)
+        return token, snap
 
+    @translated
+    async def ListArtifacts(self, request: pb.ListArtifactsRequest, context: Ctx) -> pb.ListArtifactsResponse:
+        size = min(request.page_size or PAGE_SIZE, PAGE_SIZE)
+        if request.page_token:
+            token, _, start_text = request.page_token.partition(":")
+            snap = self._snapshots.get(token)
+            if snap is None or time.monotonic() - snap.taken > SNAPSHOT_TTL_S or not start_text.isdigit():
+                raise ChangedError(
+                    "that listing expired (or the sidecar restarted): list again from the start"
+                )
+            start = int(start_text)
+        else:
+            token, snap = await self._snapshot()
+            start = 0
+        n_claims = len(snap.claims)
+        end = min(start + size, n_claims + len(snap.pending))
+        resp = pb.ListArtifactsResponse(
+            manifest_digest=snap.digest,
+            seq=snap.seq,
+            total_claims=n_claims,
+            total_pending=len(snap.pending),
+            excluded_files=snap.excluded,
+        )
+        resp.claims.extend(snap.claims[start : min(end, n_claims)])
+        resp.pending.extend(snap.pending[max(start - n_claims, 0) : max(end - n_claims, 0)])
+        if end < n_claims + len(snap.pending):
+            resp.next_page_token = f"{token}:{end}"
+        else:
+            self._snapshots.pop(token, None)
+        return resp
+
+    @translated
     async def ReadArtifact(
         self, request: pb.ReadArtifactRequest, context: Ctx
     ) -> AsyncIterator[pb.ReadArtifactChunk]:
+        path = self._p.namer.to_abs(request.path)
+        claim = self._p.ledger.current(request.path)
+        if claim is None:
+            raise NotFoundError(f"{request.path!r} is not a current claim")
+        if request.blake3 and request.blake3 != claim.blake3:
+            raise PreconditionError(f"{request.path!r} changed: the current claim is {claim.blake3[:12]}…")
+        if not 0 <= request.offset <= claim.size:
+            raise PreconditionError(f"offset {request.offset} is outside 0..{claim.size}")
         try:
-            path = self._p.namer.to_abs(request.path)
-            claim = self._p.ledger.current(request.path)
-            if claim is None:
-                raise NotFoundError(f"{request.path!r} is not a current claim")
-            if request.blake3 and request.blake3 != claim.blake3:
-                raise PreconditionError(
-                    f"{request.path!r} changed: the current claim is {claim.blake3[:12]}…"
-                )
-            if not 0 <= request.offset <= claim.size:
-                raise PreconditionError(f"offset {request.offset} is outside 0..{claim.size}")
             # O_NONBLOCK: a FIFO swapped in for the file must not wedge the event loop on open().
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            await abort(context, NotFoundError(f"{request.path!r} is no longer on the box"))
-        except SidecarError as e:
-            await abort(context, e)
+            raise NotFoundError(f"{request.path!r} is no longer on the box") from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or FileIdentity.of(st) != claim.identity:
-                await abort(context, ChangedError(f"{request.path!r} changed on disk since it was claimed"))
+                raise ChangedError(f"{request.path!r} changed on disk since it was claimed")
             offset = request.offset
+            # From offset 0 the bytes sent are hashed too: a mismatch is found here, on the box,
+            # and the file is sealed again instead of the pull failing forever.
+            hasher = new_hasher() if offset == 0 else None
             loop = asyncio.get_running_loop()
             while offset < claim.size:
                 data = await loop.run_in_executor(None, os.pread, fd, min(CHUNK, claim.size - offset), offset)
                 if not data:
-                    await abort(context, ChangedError(f"{request.path!r} shrank while being read"))
+                    raise ChangedError(f"{request.path!r} shrank while being read")
+                if hasher is not None:
+                    hasher.update(data)
                 yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
                 offset += len(data)
+            if hasher is not None and hasher.hexdigest() != claim.blake3:
+                self._p.sealer.force_reseal(request.path, "a read found other bytes than the claim's")
+                raise ChangedError(
+                    f"{request.path!r} changed on the box since its claim; it is being sealed again"
+                )
             if offset == 0:
                 yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
         finally:
             os.close(fd)
 
+    @translated
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
         seq = request.after_seq
         while True:
@@ -183,6 +251,7 @@ class SidecarService:
                 return
             await ticket.wait()
 
+    @translated
     async def WatchHealth(
         self, request: pb.WatchHealthRequest, context: Ctx
     ) -> AsyncIterator[pb.HealthSnapshot]:
@@ -194,36 +263,33 @@ class SidecarService:
                 return
             await ticket.wait()
 
+    @translated
     async def StartJob(self, request: pb.StartJobRequest, context: Ctx) -> pb.StartJobResponse:
-        try:
-            job = await self._p.jobs.start(
-                list(request.argv),
-                cell=request.cell,
-                cwd=Path(request.cwd) if request.cwd else None,
-                env=dict(request.env),
-            )
-        except SidecarError as e:
-            await abort(context, e)
+        if self._p.releaser.active:
+            raise PreconditionError("a release is deleting this box's artifacts; no job may start now")
+        job = await self._p.jobs.start(
+            list(request.argv),
+            cell=request.cell,
+            cwd=Path(request.cwd) if request.cwd else None,
+            env=dict(request.env),
+        )
         return pb.StartJobResponse(job=job_to_pb(job))
 
+    @translated
     async def StopJob(self, request: pb.StopJobRequest, context: Ctx) -> pb.StopJobResponse:
-        try:
-            job = await self._p.jobs.stop(request.id, grace_s=float(request.grace_s or 10))
-        except SidecarError as e:
-            await abort(context, e)
+        job = await self._p.jobs.stop(request.id, grace_s=float(request.grace_s or 10))
         return pb.StopJobResponse(job=job_to_pb(job))
 
+    @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
         return pb.ListJobsResponse(jobs=[job_to_pb(j) for j in self._p.jobs.jobs()])
 
+    @translated
     async def TailLog(self, request: pb.TailLogRequest, context: Ctx) -> AsyncIterator[pb.TailLogChunk]:
         jobs = self._p.jobs.jobs()
-        try:
-            job = self._p.jobs.get(request.job_id) if request.job_id else (jobs[0] if jobs else None)
-            if job is None:
-                raise NotFoundError("no job has been started on this box")
-        except SidecarError as e:
-            await abort(context, e)
+        job = self._p.jobs.get(request.job_id) if request.job_id else (jobs[0] if jobs else None)
+        if job is None:
+            raise NotFoundError("no job has been started on this box")
         offset = request.offset
         with open(job.log_path, "rb") as f:
             while True:
@@ -241,17 +307,18 @@ class SidecarService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ticket.wait(), timeout=0.5)
 
+    @translated
     async def ReleaseArtifacts(
         self, request: pb.ReleaseArtifactsRequest, context: Ctx
     ) -> pb.ReleaseArtifactsResponse:
-        try:
-            deleted, kept = await self._p.sealer.release(
-                request.manifest_digest, jobs_running=bool(self._p.jobs.running())
-            )
-        except SidecarError as e:
-            await abort(context, e)
-        return pb.ReleaseArtifactsResponse(deleted=deleted, kept=kept)
+        result = await self._p.releaser.release(request.manifest_digest)
+        return pb.ReleaseArtifactsResponse(
+            deleted=result.deleted,
+            kept=result.kept,
+            refused=[pb.Refusal(code=r.code, path=r.path, detail=r.detail) for r in result.refused],
+        )
 
+    @translated
     async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
         self._p.request_shutdown()
         return pb.ShutdownResponse(pid=os.getpid())

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import pytest
 
@@ -57,6 +58,24 @@ def pid_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def tagged_pids(tags: set[bytes]) -> list[int]:
+    """PIDs whose initial environment holds one of `tags` (an exact NAME=value entry)."""
+    if not tags:
+        return []
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if tags.intersection(env):
+            out.append(int(entry))
+    return out
+
+
 def save_ckpt(path: Path, seed: int = 0, size: int = 1000) -> None:
     """A real torch checkpoint, written the atomic way a careful trainer does (tmp → fsync → rename)."""
     import torch
@@ -98,6 +117,17 @@ class Bw:
             timeout=timeout,
         )
 
+    def spawn(self, *args: str) -> subprocess.Popen[bytes]:
+        """Start the CLI in the background (no stdin, output discarded); the caller waits for it."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "controller", *args],
+            cwd=self.cwd,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
     def ok(self, *args: str) -> subprocess.CompletedProcess[str]:
         r = self(*args)
         assert r.returncode == 0, f"boxwarden {' '.join(args)} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
@@ -114,8 +144,12 @@ class Bw:
         profile = () if "--profile-file" in extra else ("--profile", "local")
         self.ok("up", name, *profile, "--workdir", str(self.cwd), "--watch", watch, *extra)
         box_dir = self.home / "boxes" / name
-        # Each box keeps its durable copies under its own name inside the durable URL.
-        return {"watch": self.cwd / watch, "box_dir": box_dir, "durable": box_dir / "durable" / name}
+        # Each run of each box keeps its durable copies in its own corner: <url>/<box>/<run id>.
+        base = box_dir / "durable"
+        if "--durable" in extra:
+            base = Path(unquote(urlsplit(extra[extra.index("--durable") + 1]).path))
+        (durable,) = (base / name).iterdir()
+        return {"watch": self.cwd / watch, "box_dir": box_dir, "durable": durable}
 
     def artifacts(self, name: str) -> dict[str, Any]:
         return self.json("artifacts", name)
@@ -124,7 +158,7 @@ class Bw:
         def settled() -> dict[str, Any] | None:
             a = self.artifacts(name)
             claims = a.get("claims", [])
-            if len(claims) == count and all(c.get("durable") for c in claims) and not a.get("unsealed"):
+            if len(claims) == count and all(c.get("durable") for c in claims) and not a.get("pending"):
                 return a
             return None
 
@@ -151,11 +185,27 @@ class Bw:
                 continue
         return pids
 
+    def job_ids(self) -> set[str]:
+        ids: set[str] = set()
+        for ledger in self.home.glob("boxes/*/sidecar/ledger.sqlite"):
+            try:
+                db = sqlite3.connect(f"file:{ledger}?mode=ro", uri=True)
+                ids.update(r[0] for r in db.execute("SELECT id FROM jobs"))
+                db.close()
+            except sqlite3.Error:
+                continue
+        return ids
+
     def cleanup(self) -> None:
-        """Stop what these tests started, by PID: sidecars (SIGTERM, then SIGKILL) and their jobs' groups."""
+        """Stop what these tests started, by PID: sidecars (SIGTERM, then SIGKILL), their jobs' groups,
+        and any process of those jobs that escaped its group (found by its BOXWARDEN_JOB_ID tag)."""
         for pgid in self.job_pids():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pgid, signal.SIGKILL)
+        tags = {f"BOXWARDEN_JOB_ID={i}".encode() for i in self.job_ids()}
+        for pid in tagged_pids(tags):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         for pid in self.sidecar_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)

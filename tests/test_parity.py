@@ -32,7 +32,7 @@ def test_file_digest_parity(tmp_path: Path, size: int) -> None:
 
 def test_manifest_digest_parity_with_unicode_and_ordering() -> None:
     files = [("z/last.pt", 3, "c" * 64), ("cell-ä/best.pt", 10, "a" * 64), ("A/upper.pt", 0, "b" * 64)]
-    ident = FileIdentity(dev=1, ino=1, size=0, mtime_ns=0)
+    ident = FileIdentity(dev=1, ino=1, size=0, mtime_ns=0, ctime_ns=0)
     claims = [ClaimRow(i, p, n, h, ident, 0, i, True, 0, "") for i, (p, n, h) in enumerate(files)]
     manifest_files = [ManifestFile(p, n, h, "2026-11-30T00:00:00.000Z") for p, n, h in files]
     assert sidecar_manifest_digest(claims) == cdigest.manifest_digest(manifest_files)

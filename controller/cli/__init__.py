@@ -6,15 +6,23 @@ Exit codes: 0 ok · 1 error · 2 usage · 3 gate refused.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import time
+import traceback
 from typing import Any
 
 import click
 
 from controller import __version__, render
-from controller.errors import ControllerError, GateRefused
+from controller.errors import EXIT_ERROR, ControllerError, GateRefused
+from controller.state import default_home
 
 
 class BoundaryGroup(click.Group):
+    """The one error boundary: a ControllerError becomes its message and exit code; click's own
+    exits pass through; anything else is a bug, shown as one line with its traceback in a log file."""
+
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -25,6 +33,33 @@ class BoundaryGroup(click.Group):
         except ControllerError as e:
             render.error(str(e))
             raise click.exceptions.Exit(e.exit_code) from e
+        except (click.exceptions.Exit, click.exceptions.Abort, click.ClickException):
+            raise
+        except KeyboardInterrupt:
+            render.error("interrupted")
+            raise click.exceptions.Exit(EXIT_INTERRUPTED) from None
+        except Exception as e:
+            render.error(_internal_error(e))
+            raise click.exceptions.Exit(EXIT_ERROR) from e
+
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+
+
+def _internal_error(e: Exception) -> str:
+    """One line for the user; the traceback goes to a log file under $BOXWARDEN_HOME/logs."""
+    what = " ".join(traceback.format_exception_only(e)[-1].split())
+    logs = default_home(os.environ) / "logs"
+    try:
+        logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = logs / f"internal-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"boxwarden {__version__}: {' '.join(sys.argv)}\n")
+            f.write("".join(traceback.format_exception(e)))
+    except OSError:
+        return f"internal error: {what}"
+    return f"internal error: {what}; details in {path}"
 
 
 @click.group(cls=BoundaryGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -12,6 +12,7 @@ import click
 from controller import boxes, render
 from controller.cli.options import json_flag, open_state
 from controller.errors import GateRefused
+from controller.state import Box, State, exclusive
 
 
 @click.command("down")
@@ -33,8 +34,29 @@ def command(
     name: str, dry_run: bool, confirm: str | None, pulled: Path | None, meter_stopped: bool, as_json: bool
 ) -> None:
     """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
+    if pulled is not None:
+        boxes.check_path_text(pulled, "--pulled")
     state = open_state()
     box = state.get(name)
+    if dry_run:
+        _down(state, box, dry_run, confirm, pulled, meter_stopped, as_json)
+        return
+    # One `down` per box at a time: a second one would judge a box the first is tearing down.
+    busy = f"another `down {name}` is running (pid {{pid}}); wait for it"
+    with exclusive(Path(box.box_dir) / "down.lock", busy):
+        _down(state, state.get(name), dry_run, confirm, pulled, meter_stopped, as_json)
+
+
+def _down(
+    state: State,
+    box: Box,
+    dry_run: bool,
+    confirm: str | None,
+    pulled: Path | None,
+    meter_stopped: bool,
+    as_json: bool,
+) -> None:
+    name = box.name
     interactive = sys.stdin.isatty() and not as_json
 
     async def manual_done(steps: str) -> bool:

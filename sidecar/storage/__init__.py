@@ -40,6 +40,9 @@ TMP_DIRNAME = ".boxwarden-tmp"
 ID_NAME = ".boxwarden-store-id"
 """File under a store's root holding its random id (see `DurableStore.store_id`); reserved too."""
 
+OWNER_NAME = ".boxwarden-owner"
+"""File under a run's root naming the ledger that owns it (see `DurableStore.bind_owner`); reserved."""
+
 
 @dataclass(frozen=True, slots=True)
 class StagedCopy:
@@ -102,6 +105,11 @@ class DurableStore(Protocol):
         (or emptied, or re-mounted) store: claims proven in the old one prove nothing here."""
         ...
 
+    def bind_owner(self, owner: str) -> None:
+        """Make this store belong to `owner` (a ledger's id), or refuse with ConfigError if it
+        already belongs to another: one run never overwrites another run's durable copies."""
+        ...
+
     def path_for_usage(self) -> Path:
         """A local path on the store's filesystem, for `os.statvfs` (free space, inodes)."""
         ...
@@ -131,7 +139,7 @@ def split_rel(rel: str) -> tuple[str, ...]:
                 f"artifact path {rel!r} has a {part or 'empty'!r} component; "
                 "only plain names separated by single '/' are allowed"
             )
-    if parts[0] == ID_NAME:
+    if parts[0] in (ID_NAME, OWNER_NAME):
         raise UnsafePathError(f"artifact path {rel!r} is the store's reserved id file")
     if parts[0] == TMP_DIRNAME:
         raise UnsafePathError(f"artifact path {rel!r} is inside the store's reserved {TMP_DIRNAME}/")
@@ -184,19 +192,20 @@ def check_source_unchanged(src: Path, before: FileIdentity, fd: int, copied: int
         )
 
 
-def open_store(url: str) -> DurableStore:
-    """Open the durable store named by `url`.
+def open_store(url: str, scope: tuple[str, ...] = ()) -> DurableStore:
+    """Open the durable store named by `url`, narrowed to the sub-directories `scope` (a box's
+    name, then its run id: every run gets its own corner).
 
     Supported: `file:///absolute/dir` (a local or mounted filesystem). The directory itself is
     created if missing, but its parent must exist: a missing parent usually means a volume that is
     not mounted, and creating the tree there would silently write to the box's ephemeral disk.
-    Anything else raises ConfigError.
+    The scope directories are created under it. Anything else raises ConfigError.
     """
     scheme = urlsplit(url).scheme if isinstance(url, str) else ""
     if scheme == "file":
         from sidecar.storage.local import LocalStore
 
-        return LocalStore.from_url(url)
+        return LocalStore.from_url(url, scope)
     supported = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
     raise ConfigError(
         f"durable URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "

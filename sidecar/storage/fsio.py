@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sidecar import hashing
+from sidecar import children, hashing
 from sidecar.errors import StorageError
 
 logger = logging.getLogger(__name__)
@@ -99,27 +99,42 @@ def hash_in_child(fd: int, path: Path, size: int) -> str | None:
     it is. The child gets the very same open file (its fd), never a path that could be swapped.
     None: no child could run here (the caller reads the file itself).
     """
+    timeout = 60 + size / (20 << 20)  # 20 MB/s: slower than that, the device is failing
     try:
-        proc = subprocess.run(
+        # Registered while it runs: the sidecar reaps its orphaned children, never this one.
+        proc = children.popen(
             [sys.executable, "-I", "-c", _CHILD_HASH, f"/dev/fd/{fd}"],
             pass_fds=(fd,),
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=60 + size / (20 << 20),  # 20 MB/s: slower than that, the device is failing
-            check=False,
         )
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("hashing %s in a child failed to run (%s); reading it here instead", path, exc)
         return None
+    stdout: str
+    stderr: str
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.communicate()
+        logger.warning("hashing %s in a child failed to run (%s); reading it here instead", path, exc)
+        return None
+    finally:
+        if proc.returncode is None:  # interrupted: collect it before it may be reaped by anyone
+            proc.kill()
+            proc.wait()
+        children.release(proc.pid)
     if proc.returncode < 0:
         raise StorageError(
             f"re-reading durable copy {path} failed: the reader was killed by "
             f"{signal.Signals(-proc.returncode).name} (an I/O error on the device, or the copy was truncated)"
         )
-    out = proc.stdout.strip()
+    out = stdout.strip()
     if proc.returncode != 0 or not hashing.is_digest(out):
         logger.warning(
-            "hashing %s in a child gave no digest (%s); reading it here instead", path, proc.stderr[-300:]
+            "hashing %s in a child gave no digest (%s); reading it here instead", path, stderr[-300:]
         )
         return None
     return out

@@ -29,12 +29,13 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from sidecar import hashing
-from sidecar.errors import ConfigError, PreconditionError, StorageError
+from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.storage import (
     ID_NAME,
+    OWNER_NAME,
     TMP_DIRNAME,
     Progress,
     StagedCopy,
@@ -109,8 +110,9 @@ class LocalStore:
         self._write_pool = ThreadPoolExecutor(max_workers=2 * _BUFFERS, thread_name_prefix="boxwarden-write")
 
     @classmethod
-    def from_url(cls, url: str) -> LocalStore:
-        """Open `file:///abs/dir`, creating `dir` (not its parents) if it is missing."""
+    def from_url(cls, url: str, scope: tuple[str, ...] = ()) -> LocalStore:
+        """Open `file:///abs/dir`, creating `dir` (not its parents) if it is missing, then the
+        `scope` directories under it (never through a symlink)."""
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or parts.query or parts.fragment:
             raise ConfigError(
@@ -132,7 +134,19 @@ class LocalStore:
         except OSError as exc:
             raise ConfigError(f"durable URL {url!r}: cannot create {root}: {exc.strerror or exc}") from exc
         # Resolve once: symlinks in the configured path are the operator's choice; under it, none.
-        return cls(root.resolve(strict=True), url=url)
+        base = root.resolve(strict=True)
+        if not scope:
+            return cls(base, url=url)
+        for part in scope:
+            if not part or part in (".", "..") or "/" in part or "\x00" in part:
+                raise ConfigError(f"durable URL {url!r}: {part!r} cannot name a directory in it")
+        try:
+            dir_fds, _ = walk_dirs(base, scope, create=True)
+        except (StorageError, UnsafePathError) as exc:
+            raise ConfigError(f"durable URL {url!r}: {exc}") from exc
+        for dfd in dir_fds:
+            close_fd(dfd)
+        return cls(base.joinpath(*scope), url="/".join([url.rstrip("/"), *(quote(p) for p in scope)]))
 
     # ----------------------------------------------------------------------------------- stage
 
@@ -368,16 +382,29 @@ class LocalStore:
     def path_for_usage(self) -> Path:
         return self.root
 
+    def bind_owner(self, owner: str) -> None:
+        found = self._write_once(OWNER_NAME, owner)
+        if found != owner:
+            raise ConfigError(
+                f"{self.root} holds the durable copies of another run (owner {found}, this ledger is "
+                f"{owner}); they are never overwritten: give this box another --run-id (or durable URL)"
+            )
+
     def store_id(self) -> str:
-        path = self.root / ID_NAME
+        return self._write_once(ID_NAME, uuid.uuid4().hex)
+
+    def _write_once(self, name: str, value: str) -> str:
+        """The content of the small file `name` under the root, written as `value` if missing.
+        link() fails if another sidecar made one first: then theirs is the answer."""
+        path = self.root / name
         try:
             return path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
             pass
         except OSError as exc:
             raise storage_error("reading store id", path, exc) from exc
-        new = uuid.uuid4().hex
-        tmp = self._tmp_dir / f"id-{new}"
+        new = value
+        tmp = self._tmp_dir / f"id-{uuid.uuid4().hex}"
         try:
             self._tmp_dir.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -399,7 +426,7 @@ class LocalStore:
             finally:
                 close_fd(dfd)
         except OSError as exc:
-            raise storage_error("writing store id", path, exc) from exc
+            raise storage_error(f"writing {name}", path, exc) from exc
         return new
 
     def clean_tmp(self) -> int:

@@ -219,21 +219,13 @@ def test_a_retry_polls_first_and_proves_gone_without_deleting_again(bw: Bw, tmp_
 
 def test_ctrl_c_while_polling_still_writes_the_audit_record(bw: Bw, tmp_path: Path) -> None:
     import signal
-    import subprocess
 
     from tests.conftest import wait_until
 
     provider(bw, tmp_path, "create", "i-123", "--stuck")
     ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=600))
     pulled_and_verified(bw)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "controller", "down", "fk1", "--confirm", "fk1"],
-        cwd=bw.cwd,
-        env=bw.env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    proc = bw.spawn("down", "fk1", "--confirm", "fk1")
     try:
         wait_until(lambda: ["show", "i-123"] in calls(tmp_path), timeout=60, what="the first poll")
         proc.send_signal(signal.SIGINT)
@@ -289,6 +281,7 @@ def test_up_refuses_what_would_break_the_meter_stop_later(bw: Bw, tmp_path: Path
 
 def test_durable_dir_on_a_tier_lost_at_the_meter_stop_refuses_up(bw: Bw, tmp_path: Path) -> None:
     doomed = tmp_path / "doomed"
+    doomed.mkdir()  # the tier's volume is mounted (`up` never creates a durable dir's parent)
     profile = fake_profile(tmp_path, watch_tier_path=str(doomed))
     bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
     r = bw(

@@ -32,6 +32,8 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     channel: grpc.Channel | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # Run the daemon under this command prefix (e.g. setpriv to drop CAP_DAC_OVERRIDE).
+    prefix: list[str] = field(default_factory=list)
 
     @property
     def stub(self) -> sidecar_pb2_grpc.SidecarStub:
@@ -42,7 +44,7 @@ class Daemon:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
         with open(self.root / "sidecar.log", "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sidecar", "--config", str(self.config)],
+                [*self.prefix, sys.executable, "-m", "sidecar", "--config", str(self.config)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -64,6 +66,15 @@ class Daemon:
             return False
         return True
 
+    def run_foreground(self) -> subprocess.CompletedProcess[str]:
+        """Run the daemon with this config in the foreground, for configs it must refuse at start."""
+        return subprocess.run(
+            [sys.executable, "-m", "sidecar", "--config", str(self.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -76,11 +87,17 @@ class Daemon:
 
     @property
     def store(self) -> Path:
-        """Where this box's durable copies live: the durable URL's dir, then the box name."""
-        return self.durable / "t1"
+        """Where this box's durable copies live: the durable URL's dir, the box name, the run id."""
+        return self.durable / "t1" / "default"
 
     def claims(self) -> list[pb.Claim]:
-        return list(self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10).claims)
+        return list(self.listing().claims)
+
+    def listing(self) -> pb.ListArtifactsResponse:
+        """One whole listing (this test box is small: a single page)."""
+        resp = self.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10)
+        assert not resp.next_page_token
+        return resp
 
     def wait_durable(self, count: int, timeout: float = 60) -> list[pb.Claim]:
         def ok() -> list[pb.Claim] | None:
@@ -129,9 +146,10 @@ def short_dir() -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def running(root: Path, **cfg: object) -> Iterator[Daemon]:
+def running(root: Path, *, prefix: list[str] | None = None, **cfg: object) -> Iterator[Daemon]:
     with short_dir() as sock_dir:
         d = make_daemon(root, sock_dir, **cfg)
+        d.prefix = list(prefix or [])
         d.start()
         try:
             yield d

@@ -35,17 +35,18 @@ def test_close_after_write_is_sealed_pushed_and_proven(tmp_path: Path) -> None:
         assert not list(d.store.rglob("*.tmp"))
 
 
-def test_temp_names_are_never_sealed(tmp_path: Path) -> None:
+def test_temp_names_are_never_sealed_but_hidden_files_are(tmp_path: Path) -> None:
     with running(tmp_path) as d:
         (d.watch / "a.part").write_bytes(b"partial")
-        (d.watch / ".hidden").write_bytes(b"hidden")
+        (d.watch / ".hidden").write_bytes(b"hidden")  # real data (e.g. DCP's .metadata)
         (d.watch / "x.tmp").write_bytes(b"tmp")
         (d.watch / "real.bin").write_bytes(b"real")
-        (claim,) = d.wait_durable(1)
-        assert claim.path == "real.bin"
+        assert sorted(c.path for c in d.wait_durable(2)) == [".hidden", "real.bin"]
         os.rename(d.watch / "x.tmp", d.watch / "x.bin")  # rename into place seals it
-        paths = sorted(c.path for c in d.wait_durable(2))
-        assert paths == ["real.bin", "x.bin"]
+        paths = sorted(c.path for c in d.wait_durable(3))
+        assert paths == [".hidden", "real.bin", "x.bin"]
+        pending = {p.path: p.state for p in d.listing().pending}
+        assert pending == {"a.part": pb.PENDING_TEMP}
 
 
 def test_a_changed_file_gets_a_new_claim_not_an_edit(tmp_path: Path) -> None:
@@ -128,15 +129,7 @@ def test_socket_and_state_dir_permissions(tmp_path: Path) -> None:
 def test_second_sidecar_on_the_same_state_dir_refuses(tmp_path: Path, sock_dir: Path) -> None:
     with running(tmp_path):
         other = make_daemon(tmp_path, sock_dir)
-        import subprocess
-        import sys
-
-        r = subprocess.run(
-            [sys.executable, "-m", "sidecar", "--config", str(other.config)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        r = other.run_foreground()
         assert r.returncode == 2
         assert "another sidecar already runs" in r.stderr
 

@@ -34,8 +34,8 @@ def test_two_boxes_sharing_a_durable_url_keep_their_own_copies(tmp_path: Path) -
             (b.watch / "best.pt").write_bytes(b"BBBB")
             (ca,) = a.wait_durable(1)
             (cb,) = b.wait_durable(1)
-            assert (shared / "box-a" / "best.pt").read_bytes() == b"AAA"
-            assert (shared / "box-b" / "best.pt").read_bytes() == b"BBBB"
+            assert (shared / "box-a" / "default" / "best.pt").read_bytes() == b"AAA"
+            assert (shared / "box-b" / "default" / "best.pt").read_bytes() == b"BBBB"
             assert ca.blake3 != cb.blake3
         finally:
             a.kill(signal.SIGTERM)
@@ -65,10 +65,10 @@ def test_release_rereads_durable_copies_and_deletes_nothing_if_one_is_bad(tmp_pa
         (d.watch / "b.bin").write_bytes(b"bbbb")
         d.wait_durable(2)
         (d.store / "b.bin").write_bytes(b"XXXX")  # same size, other bytes: bit rot, a bad volume
-        digest = d.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10).manifest_digest
-        with pytest.raises(grpc.RpcError) as e:
-            d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest=digest), timeout=30)
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        digest = d.listing().manifest_digest
+        resp = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest=digest), timeout=30)
+        assert list(resp.deleted) == []
+        assert [(r.code, r.path) for r in resp.refused] == [("NOT_DURABLE", "b.bin")]
         assert (d.watch / "a.bin").exists() and (d.watch / "b.bin").exists()
         # The claim lost its durable mark, and the push retry proves a good copy again.
         claims = {c.path: c for c in d.wait_durable(2)}
@@ -102,9 +102,10 @@ def test_a_non_utf8_name_is_reported_not_claimed_and_breaks_nothing(tmp_path: Pa
         (d.watch / "good.pt").write_bytes(b"good")
         (claim,) = d.wait_durable(1)
         assert claim.path == "good.pt"
-        listing = d.stub.ListArtifacts(pb.ListArtifactsRequest(), timeout=10)
+        listing = d.listing()
         assert [c.path for c in listing.claims] == ["good.pt"]
-        assert list(listing.unsealed) == ["bad\\xff.pt"]
+        assert [(p.path, p.state) for p in listing.pending] == [("bad\\xff.pt", pb.PENDING_UNCLAIMABLE)]
+        assert "rename it" in listing.pending[0].detail
 
 
 def test_a_file_moved_in_from_outside_is_sealed_without_waiting_for_a_rescan(tmp_path: Path) -> None:

@@ -1,0 +1,255 @@
+"""Where a pulled tree may lie: never overlapping what it is evidence about (the box's watched,
+state and durable directories), never on a pseudo-filesystem, never under a regular file; and
+whether each artifact path can be created in it as things are on disk (checked before a pull
+fetches its first byte).
+
+`overlap_problem` is shared by `pull` (refuses before writing anything) and the gate (refuses to
+judge a tree that overlaps what `down` would delete). Both sides are resolved the same way
+(symlinks followed; a path that does not exist yet is resolved through its deepest existing
+ancestor), so no spelling of a path can slip past the comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller.errors import TransferError, UsageError
+
+logger = logging.getLogger(__name__)
+
+# Filesystems that hold no files of their own: a pull there writes nowhere (or somewhere strange).
+PSEUDO_FILESYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "efivarfs",
+        "binfmt_misc",
+        "autofs",
+        "nsfs",
+    }
+)
+_PSEUDO_PREFIXES = (Path("/proc"), Path("/sys"), Path("/dev"))
+PATH_MAX = 4096
+
+
+def resolve_loose(path: Path | str) -> Path:
+    """The real path `path` names: symlinks resolved in its deepest existing ancestor, the rest
+    (which does not exist yet) appended as written."""
+    here = Path(os.path.join(os.getcwd(), os.fspath(path)))
+    tail: list[str] = []
+    while not os.path.lexists(here) and here != here.parent:
+        tail.insert(0, here.name)
+        here = here.parent
+    return Path(os.path.normpath(os.path.join(os.path.realpath(here), *tail)))
+
+
+def file_url_path(url: str) -> Path | None:
+    """The local directory of a file:// URL; None for any other scheme (or an empty URL)."""
+    if not url:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+        return None
+    path = unquote(parts.path)
+    return Path(path) if path.startswith("/") else None
+
+
+def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
+    """Why the pulled tree `pulled` may not lie where it does, or None.
+
+    It may not be equal to, inside, or contain any of the box's watched directories, its state
+    directory, or the local path of its durable root (or durable URL): a tree that overlaps what it
+    judges would be verified against itself, and `down` would delete the only copy.
+    """
+    mine = resolve_loose(pulled)
+    theirs: list[tuple[str, str]] = [(d, "watched directory") for d in hello.watch_dirs if d]
+    if hello.state_dir:
+        theirs.append((hello.state_dir, "state directory"))
+    for url, role in ((hello.durable_root, "durable root"), (hello.durable_url, "durable store")):
+        local = file_url_path(url)
+        if local is not None:
+            theirs.append((os.fspath(local), role))
+    for raw, role in theirs:
+        other = resolve_loose(raw)
+        if mine == other:
+            relation = "is"
+        elif mine.is_relative_to(other):
+            relation = "is inside"
+        elif other.is_relative_to(mine):
+            relation = "contains"
+        else:
+            continue
+        name = hello.box_name or "NAME"
+        return (
+            f"the pulled tree {mine} {relation} the box's {role} {other}: the copy must be separate "
+            f"from what it proves, or `down` would delete the only copy; pull into a directory outside "
+            f"it, e.g. `boxwarden pull {name} --to ./pulled-{name}`"
+        )
+    return None
+
+
+def destination_problem(root: Path) -> str | None:
+    """Why a pull cannot make `root` its tree (a pseudo-filesystem, a regular file or something
+    else in the way, a name too long), or None. Looks only: creates nothing."""
+    real = resolve_loose(root)
+    fs = _filesystem_type(real)
+    if fs in PSEUDO_FILESYSTEMS or (fs is None and any(real.is_relative_to(p) for p in _PSEUDO_PREFIXES)):
+        kind = fs or "system"
+        return f"{real} is on a {kind} pseudo-filesystem, which stores no files: pull into a normal directory"
+    if len(os.fsencode(real)) >= PATH_MAX:
+        return f"{real} is longer than this system's limit of {PATH_MAX} bytes: pull into a shorter path"
+    deepest = _deepest_existing(real)
+    try:
+        name_max = os.pathconf(deepest, "PC_NAME_MAX")
+    except OSError:
+        name_max = 255
+    for part in real.parts[1:]:
+        if len(os.fsencode(part)) > name_max:
+            return f"the name {part!r} in {real} is longer than this filesystem's limit ({name_max} bytes)"
+    here = Path("/")
+    for part in real.parts[1:]:
+        here = here / part
+        try:
+            st = here.lstat()
+        except FileNotFoundError:
+            break
+        except OSError as exc:
+            return f"cannot look at {here}: {exc.strerror or exc}; pull into a directory you can use"
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{here} is not a directory, so nothing can be created under it: pull elsewhere"
+    if not os.access(deepest, os.W_OK | os.X_OK):
+        return f"{deepest} is not writable by you, so {real} cannot be made there: pull elsewhere"
+    return None
+
+
+def check_claim_paths(root: Path, paths: list[str]) -> None:
+    """Raise UsageError or TransferError (naming the path and the fix) for any artifact path that
+    cannot be created as a file under `root` as things are on disk now. Looks only."""
+    try:
+        name_max = os.pathconf(root if root.exists() else "/", "PC_NAME_MAX")
+    except OSError:
+        name_max = 255
+    prefix = len(os.fsencode(root)) + 1
+    checked: set[Path] = set()
+    writable: set[Path] = set()
+    for path in paths:
+        full = root / path
+        length = prefix + len(path.encode("utf-8"))
+        if length >= PATH_MAX:
+            raise UsageError(
+                f"{full}: the local path would be {length} bytes, over this system's limit of {PATH_MAX}; "
+                "pull into a directory with a shorter path (--to)"
+            )
+        parts = path.split("/")
+        for part in parts:
+            if len(part.encode("utf-8")) > name_max:
+                raise TransferError(
+                    f"{full}: the name {part[:40]!r}… is {len(part.encode('utf-8'))} bytes, over this "
+                    f"filesystem's limit of {name_max}; rename it on the box, or pull onto a filesystem "
+                    "that takes longer names"
+                )
+        here = root
+        for depth, part in enumerate(parts):
+            here = here / part
+            is_file = depth == len(parts) - 1
+            if here in checked:
+                continue
+            try:
+                st = here.lstat()
+            except FileNotFoundError:
+                break
+            except OSError as exc:
+                raise TransferError(f"{here}: cannot look at it: {exc.strerror or exc}") from exc
+            problem = _kind_problem(st.st_mode, is_file, path)
+            if problem:
+                raise TransferError(f"{here}: {problem}")
+            if not is_file:
+                checked.add(here)
+        deepest = _deepest_dir(root, parts[:-1])
+        if deepest not in writable:
+            if deepest.exists() and not os.access(deepest, os.W_OK | os.X_OK):
+                raise TransferError(
+                    f"{deepest}: permission denied, so {path} cannot be written there; "
+                    "fix its permissions or pull into another directory"
+                )
+            writable.add(deepest)
+
+
+def _kind_problem(mode: int, is_file: bool, claim: str) -> str | None:
+    if stat.S_ISLNK(mode):
+        return "is a symlink; a pull never writes through or over one: remove it, or pull elsewhere"
+    if is_file and stat.S_ISDIR(mode):
+        return f"is a directory where the box has a file ({claim}): move it aside, or pull elsewhere"
+    if is_file and not stat.S_ISREG(mode):
+        return f"is not a regular file, and the box has a file there ({claim}): move it aside"
+    if not is_file and not stat.S_ISDIR(mode):
+        return f"is a file where the box has a directory ({claim}): move it aside, or pull elsewhere"
+    return None
+
+
+def _deepest_dir(root: Path, dirs: list[str]) -> Path:
+    here = root
+    for part in dirs:
+        if not (here / part).is_dir():
+            break
+        here = here / part
+    return here
+
+
+def _deepest_existing(path: Path) -> Path:
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem `path` lies on (from /proc/self/mountinfo), None if unknown."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+            mount_point = Path(_unescape(fields[4]))
+            fstype = fields[sep + 1]
+        except (ValueError, IndexError):
+            continue
+        if path.is_relative_to(mount_point):
+            depth = len(mount_point.parts)
+            if best is None or depth >= best[0]:
+                best = (depth, fstype)
+    return best[1] if best else None
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes (\\040 ...)."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and i + 3 < len(field) and field[i + 1 : i + 4].isdigit():
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)

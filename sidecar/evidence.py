@@ -1,0 +1,98 @@
+"""Evidence from the box's side: every entry of the watched directories that is NOT covered by a
+current claim, with why (being written, changed since its claim, temp-named, unclaimable), and how
+many files the user's exclude patterns left out.
+
+This is what the gate's UNSEALED_WRITES / TEMP_FILE / UNCLAIMABLE reasons are made of, and what
+release checks before and after it deletes anything. Fail closed: a file some process holds open
+for writing, or that the sidecar cannot prove nobody writes (no lease answer and processes whose
+fds it cannot read), counts as being written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sidecar.identity import FileIdentity
+from sidecar.ledger import ClaimRow
+from sidecar.openfiles import OpenWrites, write_lease_blocked
+from sidecar.paths import ArtifactNamer, display
+from sidecar.sealer import Sealer
+
+WRITING = "WRITING"
+CHANGED = "CHANGED"
+TEMP = "TEMP"
+UNCLAIMABLE = "UNCLAIMABLE"
+
+
+@dataclass(frozen=True, slots=True)
+class PendingEntry:
+    path: str  # display form (wire-safe)
+    state: str  # WRITING | CHANGED | TEMP | UNCLAIMABLE
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class BoxEvidence:
+    pending: list[PendingEntry]
+    excluded_files: int
+
+
+def _collect(
+    namer: ArtifactNamer,
+    claims: dict[str, ClaimRow],
+    dirty: frozenset[str],
+    busy: frozenset[str],
+    scan: OpenWrites,
+) -> BoxEvidence:
+    """Blocking: walks the watched dirs (run it off-loop)."""
+    out: dict[str, PendingEntry] = {}
+    excluded = 0
+    seen: set[str] = set()
+    writing = {namer.to_artifact(p) for p in scan.paths}
+    in_doubt = scan.unreadable_pids > 0
+    for e in namer.walk_all():
+        shown = display(e.art)
+        if e.kind == "excluded":
+            excluded += 1
+            continue
+        seen.add(e.art)
+        if e.kind == "unclaimable":
+            out[shown] = PendingEntry(shown, UNCLAIMABLE, e.why)
+            continue
+        being_written = e.art in writing
+        if not being_written and e.kind == "artifact":
+            lease = write_lease_blocked(e.path)
+            being_written = bool(lease) or (lease is None and in_doubt)
+        if e.kind == "temp":
+            why = e.why if not being_written else "a temp name being written (a save in progress)"
+            out[shown] = PendingEntry(shown, TEMP, why)
+            continue
+        if being_written:
+            detail = (
+                "open for writing"
+                if e.art in writing or not in_doubt
+                else "cannot tell that nobody writes it"
+            )
+            out[shown] = PendingEntry(shown, WRITING, detail)
+            continue
+        assert e.st is not None
+        claim = claims.get(e.art)
+        if claim is None:
+            why = "being sealed" if e.art in busy else "not sealed yet"
+            out[shown] = PendingEntry(shown, CHANGED, why)
+        elif claim.identity != FileIdentity.of(e.st) or e.art in dirty:
+            out[shown] = PendingEntry(shown, CHANGED, "changed since its claim; being sealed again")
+    for path in claims.keys() - seen:
+        shown = display(path)
+        out[shown] = PendingEntry(shown, CHANGED, "claimed, but no longer on the box as a regular file")
+    return BoxEvidence(pending=[out[k] for k in sorted(out)], excluded_files=excluded)
+
+
+async def box_evidence(sealer: Sealer) -> BoxEvidence:
+    """The pending entries now. The ledger belongs to the loop thread: claims are read here, the
+    walk runs off-loop."""
+    claims = {c.path: c for c in sealer.ledger.current_claims()}
+    dirty = frozenset(sealer.dirty)
+    busy = sealer.busy_set()
+    scan = await sealer.writes.scan()
+    return await sealer.scan(_collect, sealer.namer, claims, dirty, busy, scan)

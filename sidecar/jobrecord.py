@@ -1,0 +1,70 @@
+"""What a job is: its durable record, where records are stored, and how its program is found.
+
+`sidecar.jobs` supervises jobs; this module only describes them, so the ledger can store records
+without importing the supervisor's machinery.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from sidecar import proctree
+from sidecar.errors import PreconditionError
+
+
+@dataclass(frozen=True, slots=True)
+class JobRecord:
+    """One supervised job. Immutable: every state change stores a new record."""
+
+    id: str
+    cell: str
+    argv: list[str]
+    cwd: str
+    # Only the extra variables the caller asked for, not the inherited environment or the tag.
+    env: dict[str, str]
+    pid: int
+    pgid: int
+    state: str  # "running" | "exited" | "stopped" | "lost"
+    exit_code: int | None  # the leader's; negative: the signal that ended it; None: unknown
+    started_at_ns: int
+    ended_at_ns: int | None
+    log_path: str
+    # Field 22 of /proc/PID/stat at start: tells our process apart from a later one with its PID.
+    proc_start_ticks: int
+    # The leader has exited (exit_code is its status) while other processes of the job live on.
+    leader_exited: bool = False
+    # The job's live processes at the last scan; stored only as a snapshot, never trusted.
+    live_pids: list[int] = field(default_factory=list)
+
+
+class JobStore(Protocol):
+    """Durable home of job records (the ledger implements it)."""
+
+    def save_job(self, job: JobRecord) -> None: ...
+
+    def load_jobs(self) -> list[JobRecord]: ...
+
+
+def read_start_ticks(pid: int, *, include_zombie: bool = False) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone (or a zombie)."""
+    p = proctree.read_proc(pid)
+    if p is None or (p.zombie and not include_zombie):
+        return None
+    return p.start_ticks
+
+
+def resolve_program(program: str, cwd: Path, path: str) -> str:
+    """The executable argv[0] names, looked up the way exec would from `cwd`."""
+    if "/" in program:
+        candidate = cwd / program
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+        raise PreconditionError(f"{program!r} is not an executable file (relative to {str(cwd)!r})")
+    found = shutil.which(program, path=path)
+    if found is None:
+        raise PreconditionError(f"{program!r} was not found on the job's PATH ({path})")
+    return found

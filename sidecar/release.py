@@ -1,0 +1,221 @@
+"""Release: delete the box-side copies of exactly one verified manifest's claims — only bytes that
+were just verified — and say what stands in the way of a teardown.
+
+Under one lock (a second release and StartJob are refused meanwhile):
+  1. refuse, deleting nothing, unless the manifest is current, no job runs, every watched entry is
+     claimed or excluded, and every durable copy is re-read NOW and hashes equal to its claim;
+  2. per claim: rename the file aside without replacing anything, hash what was renamed, and unlink
+     it only if the digest equals the claim and nobody holds it open for writing; otherwise put it
+     back (a byte mismatch re-seals it) and report it kept;
+  3. check jobs, watched entries and claims again: anything running, new or changed is refused.
+An aside name is `.bw-release.<claim id>`; `restore_asides` undoes a release the sidecar died in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.errors import SidecarError
+from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
+from sidecar.hashing import hash_file_read
+from sidecar.ledger import ClaimRow
+from sidecar.manifest import manifest_digest
+from sidecar.openfiles import write_lease_blocked
+from sidecar.paths import RELEASE_ASIDE_PREFIX
+from sidecar.renames import rename_noreplace
+from sidecar.sealer import Sealer, identity
+
+logger = logging.getLogger(__name__)
+
+PENDING_CODES = {
+    WRITING: "UNSEALED_WRITES",
+    CHANGED: "UNSEALED_WRITES",
+    TEMP: "TEMP_FILE",
+    UNCLAIMABLE: "UNCLAIMABLE",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    code: str
+    path: str = ""
+    detail: str = ""
+
+
+@dataclass
+class ReleaseResult:
+    deleted: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+
+
+RunningJobs = Callable[[], list[str]]
+"""A fresh answer: one line per job whose process tree still lives."""
+
+
+class Releaser:
+    def __init__(self, sealer: Sealer, running_jobs: RunningJobs) -> None:
+        self._s = sealer
+        self._running_jobs = running_jobs
+        self._lock = asyncio.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self._lock.locked()
+
+    async def release(self, digest: str) -> ReleaseResult:
+        if self._lock.locked():
+            return ReleaseResult(
+                refused=[Refusal("RELEASE_RUNNING", detail="another release is running on this box")]
+            )
+        async with self._lock:
+            result = ReleaseResult()
+            result.refused = await self._preconditions(digest)
+            if result.refused:
+                return result
+            for c in self._s.ledger.current_claims():
+                async with self._s.lock(c.path):
+                    why = await self._release_one(c)
+                if why:
+                    result.kept.append(f"{c.path}: {why}")
+                else:
+                    result.deleted.append(c.path)
+            self._s.notify()
+            result.refused = await self._after(digest, result)
+            return result
+
+    async def _preconditions(self, digest: str) -> list[Refusal]:
+        claims = self._s.ledger.current_claims()
+        refused: list[Refusal] = []
+        if digest != manifest_digest(claims):
+            refused.append(
+                Refusal("MANIFEST_STALE", detail="the box's claims changed since they were verified")
+            )
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs()]
+        refused += [
+            Refusal("NOT_DURABLE", c.path, c.push_error or "push not proven yet")
+            for c in claims
+            if not c.durable
+        ]
+        refused += await self._pending()
+        if refused:
+            return refused
+        # The ledger's word is not enough to delete the only other copy: prove every copy now.
+        for c in claims:
+            try:
+                ok = await self._s.run(self._s.store.verify, c.path, c.blake3)
+            except SidecarError as e:  # the store failed, or a symlink was planted in it
+                ok, why = False, str(e)
+            else:
+                why = "the durable copy did not hash equal when re-read before the release"
+            if ok:
+                self._s.ledger.mark_durable(c.id)  # records when it was proven
+            else:
+                self._s.ledger.mark_not_durable(c.id, why)
+                refused.append(Refusal("NOT_DURABLE", c.path, why))
+        if refused:
+            self._s.notify()
+        return refused
+
+    async def _pending(self) -> list[Refusal]:
+        ev = await box_evidence(self._s)
+        return [Refusal(PENDING_CODES[p.state], p.path, p.detail) for p in ev.pending]
+
+    async def _after(self, digest: str, result: ReleaseResult) -> list[Refusal]:
+        """What is on the box now that should stop the teardown."""
+        refused = [Refusal("KEPT", k.split(": ", 1)[0], k.split(": ", 1)[-1]) for k in result.kept]
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs()]
+        remaining = self._s.ledger.current_claims()
+        kept = {k.split(": ", 1)[0] for k in result.kept}
+        for c in remaining:
+            if c.path not in kept:
+                refused.append(
+                    Refusal("MANIFEST_STALE", c.path, "sealed during the release: pull and verify it")
+                )
+        refused += [r for r in await self._pending() if r.path not in kept]
+        return refused
+
+    async def _release_one(self, c: ClaimRow) -> str:
+        """Delete the claimed file if its bytes are exactly the claim's; else say why not."""
+        path = self._s.namer.to_abs(c.path)
+        ident = identity(path)
+        if ident is None:
+            return "already gone"
+        if ident != c.identity or c.path in self._s.dirty:
+            return "changed since its claim"
+        aside = path.with_name(f"{RELEASE_ASIDE_PREFIX}{c.id}")
+        why, mismatch = await self._s.run(_delete_verified, path, aside, c)
+        if mismatch:
+            self._s.force_reseal(c.path, "the release found other bytes than the claim's")
+        if not why:
+            self._s.ledger.end_claim(c.path, "released after verified pull", "ARTIFACT_RELEASED")
+            self._s.dirty.discard(c.path)
+        return why
+
+    def restore_asides(self) -> int:
+        """Put back files a release renamed aside and did not finish with (the sidecar died).
+        Blocking; call at start, before the watcher's first rescan."""
+        restored = 0
+        for root in self._s.namer.roots:
+            for dirpath, _dirs, names in os.walk(root):
+                for name in names:
+                    if not name.startswith(RELEASE_ASIDE_PREFIX):
+                        continue
+                    aside = Path(dirpath) / name
+                    claim = self._s.ledger.claim_by_id(name[len(RELEASE_ASIDE_PREFIX) :])
+                    if claim is None:
+                        logger.warning("%s: not a release aside of this ledger; leaving it", aside)
+                        continue
+                    try:
+                        rename_noreplace(aside, self._s.namer.to_abs(claim.path))
+                    except OSError as e:
+                        logger.warning("cannot restore %s to %s: %s", aside, claim.path, e)
+                        continue
+                    restored += 1
+        return restored
+
+
+def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
+    """Blocking. Returns (why it was kept or "", whether its bytes differ from the claim)."""
+    try:
+        rename_noreplace(path, aside)
+    except FileExistsError:
+        return f"{aside.name} already exists beside it (not ours to replace)", False
+    except OSError as e:
+        return f"cannot rename it aside: {e.strerror}", False
+    why, mismatch = "", False
+    try:
+        st = os.lstat(aside)
+        # A rename sets the inode's ctime: compare what it cannot change; the hash settles the rest.
+        if (st.st_dev, st.st_ino, st.st_size) != (c.identity.dev, c.identity.ino, c.identity.size):
+            why = "changed since its claim"
+        elif write_lease_blocked(aside):
+            why = "someone holds it open for writing"
+        elif hash_file_read(aside) != c.blake3:
+            why, mismatch = "its bytes differ from the claim", True
+        elif write_lease_blocked(aside):
+            why = "someone opened it for writing while it was hashed"
+    except OSError as e:
+        why = f"cannot read it: {e.strerror}"
+    if not why:
+        os.unlink(aside)
+        _fsync_dir(path.parent)
+        return "", False
+    try:
+        rename_noreplace(aside, path)
+    except OSError as e:
+        return f"{why}; it stays at {aside.name} ({e.strerror}: a new file took its name)", mismatch
+    return why, mismatch
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

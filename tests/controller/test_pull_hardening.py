@@ -1,0 +1,226 @@
+"""pull against a hostile destination: the box's own directories, planted symlinks, long names,
+files and directories in the way, pseudo-filesystems, a second pull at once, a corrupt partial
+copy. The real CLI against real sidecars; pure path rules tested directly."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import pytest
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller.digest import path_key
+from controller.overlap import destination_problem, overlap_problem
+from tests.conftest import Bw, save_ckpt
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def one_claim(bw: Bw, *extra: str) -> dict[str, Path]:
+    p = bw.up("b1", *extra)
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=3, size=100_000)
+    bw.wait_durable("b1", 1)
+    return p
+
+
+# --- overlap with the box's own directories --------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["watch", "inside", "parent", "symlinked", "durable"])
+def test_pull_into_the_box_s_own_dirs_is_refused_and_writes_nothing(bw: Bw, where: str) -> None:
+    p = one_claim(bw)
+    (bw.cwd / "alias").symlink_to(p["watch"])
+    to = {
+        "watch": p["watch"],
+        "inside": p["watch"] / "cell-a" / "pulled",
+        "parent": bw.cwd,
+        "symlinked": bw.cwd / "alias" / "pulled",
+        "durable": p["durable"] / "pulled",
+    }[where]
+    before = files_under(p["watch"])
+    r = bw("pull", "b1", "--to", str(to))
+    assert r.returncode == 2, r.stderr
+    assert "refusing to pull" in r.stderr and "--to" in r.stderr
+    assert files_under(p["watch"]) == before
+    assert not to.exists() or where in ("watch", "parent")
+    assert not (p["watch"] / "MANIFEST.json").exists() and not (bw.cwd / "MANIFEST.json").exists()
+
+
+def test_overlap_problem_resolves_both_sides(tmp_path: Path) -> None:
+    watch = tmp_path / "box" / "ckpt"
+    watch.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "box")
+    hello = pb.HelloResponse(
+        box_name="b1",
+        watch_dirs=[str(tmp_path / "link" / "ckpt")],
+        state_dir=str(tmp_path / "state"),
+        durable_root=f"file://{tmp_path}/dur%20able/b1/run",
+        durable_url="s3://bucket/x",
+    )
+    assert overlap_problem(tmp_path / "elsewhere" / "new", hello) is None
+    assert overlap_problem(tmp_path / "box-2", hello) is None
+    inside = overlap_problem(watch / "not" / "yet", hello)
+    assert inside is not None and "is inside the box's watched directory" in inside
+    contains = overlap_problem(tmp_path / "link", hello)
+    assert contains is not None and "contains" in contains
+    assert "is the box's state directory" in str(overlap_problem(tmp_path / "state", hello))
+    durable = overlap_problem(tmp_path / "dur able" / "b1", hello)
+    assert durable is not None and "durable root" in durable
+
+
+def test_destination_problem_names_pseudo_filesystems_and_files_in_the_way(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    assert "pseudo-filesystem" in str(destination_problem(Path("/proc/pulled")))
+    assert "is not a directory" in str(destination_problem(tmp_path / "file" / "sub"))
+    assert "longer than" in str(destination_problem(tmp_path / ("n" * 300)))
+    assert destination_problem(tmp_path / "fresh" / "tree") is None
+
+
+@pytest.mark.parametrize("to", ["/proc/pulled", "FILE/sub", "LONG"])
+def test_impossible_destination_is_a_usage_error(bw: Bw, to: str) -> None:
+    one_claim(bw)
+    (bw.cwd / "FILE").write_text("not a dir")
+    dest = {"FILE/sub": str(bw.cwd / "FILE" / "sub"), "LONG": str(bw.cwd / ("n" * 300))}.get(to, to)
+    r = bw("pull", "b1", "--to", dest)
+    assert r.returncode == 2, r.stderr
+    assert "refusing to pull" in r.stderr and "internal error" not in r.stderr
+
+
+# --- what lies in the tree ---------------------------------------------------------------------------
+
+
+def test_directory_where_the_box_has_a_file_refuses_before_the_first_byte(bw: Bw) -> None:
+    p = bw.up("b1")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1, size=1000)
+    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=2, size=1000)
+    bw.wait_durable("b1", 2)
+    pulled = bw.cwd / "pulled"
+    (pulled / "cell-b" / "best.pt").mkdir(parents=True)
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 1, r.stderr
+    assert str(pulled / "cell-b" / "best.pt") in r.stderr and "move it aside" in r.stderr
+    assert not (pulled / "cell-a").exists(), "nothing is fetched before every path was checked"
+    assert not (pulled / ".bw-parts").exists()
+
+
+def test_file_where_the_box_has_a_directory_is_refused(bw: Bw) -> None:
+    one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    pulled.mkdir()
+    (pulled / "cell-a").write_text("mine")
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 1, r.stderr
+    assert f"{pulled / 'cell-a'}: is a file where the box has a directory" in r.stderr
+    assert (pulled / "cell-a").read_text() == "mine"
+
+
+def test_planted_part_symlink_is_never_written_through(bw: Bw, tmp_path: Path) -> None:
+    p = one_claim(bw)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    pulled = bw.cwd / "pulled"
+    (pulled / "cell-a").mkdir(parents=True)
+    (pulled / "cell-a" / "best.pt.bw-part").symlink_to(victim)  # where the old pull wrote its part
+    bw.ok("pull", "b1", "--to", str(pulled))
+    assert victim.read_bytes() == b"precious"
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert not (pulled / ".bw-parts").exists()
+
+
+def test_parts_dir_that_is_a_symlink_is_refused(bw: Bw, tmp_path: Path) -> None:
+    one_claim(bw)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pulled = bw.cwd / "pulled"
+    pulled.mkdir()
+    (pulled / ".bw-parts").symlink_to(elsewhere)
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 1, r.stderr
+    assert ".bw-parts" in r.stderr and "remove it" in r.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_name_of_250_bytes_pulls_and_verifies(bw: Bw) -> None:
+    p = bw.up("b1")
+    name = "n" * 247 + ".pt"
+    save_ckpt(p["watch"] / "cell-a" / name, seed=4, size=1000)
+    bw.wait_durable("b1", 1)
+    pulled = bw.cwd / "pulled"
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["fetched"] == [f"cell-a/{name}"]
+    assert (pulled / "cell-a" / name).read_bytes() == (p["watch"] / "cell-a" / name).read_bytes()
+    bw.ok("verify", str(pulled))
+
+
+# --- resume and retry ------------------------------------------------------------------------------
+
+
+def test_resume_from_the_part_file_in_bw_parts(bw: Bw) -> None:
+    p = bw.up("b1")
+    src = p["watch"] / "cell-a" / "big.pt"
+    save_ckpt(src, seed=5, size=1_000_000)
+    bw.wait_durable("b1", 1)
+    pulled = bw.cwd / "pulled"
+    parts = pulled / ".bw-parts"
+    parts.mkdir(parents=True, mode=0o700)
+    (parts / f"{path_key('cell-a/big.pt')}.part").write_bytes(src.read_bytes()[: 1 << 20])
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["resumed"] == {"cell-a/big.pt": 1 << 20}
+    assert rep["bytes_fetched"] == src.stat().st_size - (1 << 20)
+    assert (pulled / "cell-a" / "big.pt").read_bytes() == src.read_bytes()
+    assert not parts.exists()
+
+
+def test_corrupt_resumed_part_is_fetched_again_from_zero(bw: Bw) -> None:
+    p = one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    parts = pulled / ".bw-parts"
+    parts.mkdir(parents=True, mode=0o700)
+    (parts / f"{path_key('cell-a/best.pt')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["restarted"] == ["cell-a/best.pt"] and rep["fetched"] == ["cell-a/best.pt"]
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert not parts.exists()
+    bw.ok("verify", str(pulled))
+
+
+# --- one pull at a time ----------------------------------------------------------------------------
+
+
+def test_a_second_pull_into_the_same_dir_is_refused(bw: Bw) -> None:
+    one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    pulled.mkdir()
+    fd = os.open(pulled, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the first pull holds
+        r = bw("pull", "b1", "--to", str(pulled))
+        assert r.returncode == 1, r.stderr
+        assert f"another pull into {pulled} is running" in r.stderr and "wait for it" in r.stderr
+        assert list(pulled.iterdir()) == []
+    finally:
+        os.close(fd)
+    bw.ok("pull", "b1", "--to", str(pulled))
+
+
+# --- two watched directories -------------------------------------------------------------------------
+
+
+def test_two_watched_dirs_pull_and_verify_by_the_cell_after_the_prefix(bw: Bw) -> None:
+    p = bw.up("b1", "--watch", "logs", "--roster", "cell-a")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=7, size=1000)
+    (bw.cwd / "logs" / "cell-a").mkdir(parents=True)
+    (bw.cwd / "logs" / "cell-a" / "x.log").write_text("done\n")
+    bw.wait_durable("b1", 2)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    manifest = json.loads((pulled / "MANIFEST.json").read_text())
+    assert manifest["watch_dirs"] == ["ckpt", "logs"]
+    assert sorted(f["path"] for f in manifest["files"]) == ["ckpt/cell-a/best.pt", "logs/cell-a/x.log"]
+    doc = bw.json("verify", str(pulled))
+    assert doc["ok"] is True, doc["reasons"]

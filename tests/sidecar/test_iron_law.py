@@ -1,0 +1,323 @@
+"""The sidecar's side of the Iron Law: nothing in a watched dir is ignored, a changed file is always
+noticed, only verified bytes are deleted. Each test failed on 34164bb (real daemon, real files)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import blake3
+import grpc
+import pytest
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from tests.conftest import wait_until
+from tests.sidecar.daemon import Daemon, make_daemon, running
+
+
+def b3(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
+
+
+@pytest.fixture
+def coarse_fs(tmp_path: Path) -> Iterator[Path]:
+    """A loop-mounted ext4 with 128-byte inodes: timestamps are whole seconds there."""
+    img, mnt = tmp_path / "coarse.img", tmp_path / "coarse"
+    mnt.mkdir()
+    subprocess.run(["truncate", "-s", "64M", str(img)], check=True)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-I", "128", str(img)], check=True, capture_output=True)
+    subprocess.run(["mount", "-o", "loop", str(img), str(mnt)], check=True)
+    try:
+        probe = mnt / "probe"
+        probe.write_bytes(b"x")
+        assert probe.stat().st_mtime_ns % 1_000_000_000 == 0, "expected whole-second timestamps"
+        probe.unlink()
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def rewrite_keeping_size_and_mtime(f: Path, data: bytes) -> None:
+    st = f.stat()
+    assert len(data) == st.st_size
+    with open(f, "r+b") as fh:
+        fh.write(data)
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))  # `touch -r` style: mtime as it was
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+
+
+def claim_of(d: Daemon, path: str) -> pb.Claim | None:
+    return next((c for c in d.claims() if c.path == path), None)
+
+
+def read_all(d: Daemon, path: str) -> bytes:
+    return b"".join(c.data for c in d.stub.ReadArtifact(pb.ReadArtifactRequest(path=path), timeout=10))
+
+
+@pytest.mark.parametrize("fs", ["default", "whole-second ext4"])
+def test_in_place_rewrite_keeping_size_and_mtime_is_sealed_again(
+    tmp_path: Path, fs: str, request: pytest.FixtureRequest
+) -> None:
+    root = request.getfixturevalue("coarse_fs") if fs != "default" else tmp_path
+    with running(root) as d:
+        f = d.watch / "best.pt"
+        old, new = b"A" * 4096, b"B" * 4096
+        f.write_bytes(old)
+        (first,) = d.wait_durable(1)
+        assert first.blake3 == b3(old)
+        rewrite_keeping_size_and_mtime(f, new)
+        second = wait_until(
+            lambda: (c := claim_of(d, "best.pt")) is not None and c.durable and c.blake3 == b3(new) and c,
+            timeout=60,
+            what="the rewrite to be sealed as a new claim",
+        )
+        assert second.seq > first.seq
+        assert (d.store / "best.pt").read_bytes() == new
+        assert read_all(d, "best.pt") == new
+
+
+def test_a_byte_mismatch_found_by_a_read_seals_the_file_again(tmp_path: Path) -> None:
+    """A claim whose identity still matches but whose bytes do not (two writes inside one timestamp
+    tick, with the sidecar down) must not leave the box stuck: the read finds it, the file is
+    sealed again, and the next read succeeds."""
+    with running(tmp_path) as d:
+        f = d.watch / "m.bin"
+        f.write_bytes(b"real bytes")
+        (claim,) = d.wait_durable(1)
+        d.kill()
+        db = sqlite3.connect(d.state / "ledger.sqlite")
+        db.execute("UPDATE claims SET blake3 = ? WHERE current = 1", (b3(b"other bytes"),))
+        db.commit()
+        db.close()
+        d.start()
+        with pytest.raises(grpc.RpcError) as e:
+            read_all(d, "m.bin")
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        wait_until(
+            lambda: (c := claim_of(d, "m.bin")) is not None and c.durable and c.blake3 == b3(b"real bytes"),
+            what="the file to be sealed again with its real digest",
+        )
+        assert read_all(d, "m.bin") == b"real bytes"
+        assert any(e.kind == pb.ARTIFACT_CHANGED and e.path == "m.bin" for e in d.events())
+        assert claim.blake3 == b3(b"real bytes")
+
+
+def test_hidden_files_hidden_dirs_and_temp_looking_dirs_are_claimed(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        files = {
+            "dcp/.metadata": b"torch.distributed.checkpoint metadata",
+            "dcp/__0_0.distcp": b"shard",
+            ".hidden/w.bin": b"in a hidden dir",
+            "run.tmp/final.pt": b"in a dir whose name looks temp",
+            "a.part.d/x": b"x",
+        }
+        for rel, data in files.items():
+            (d.watch / rel).parent.mkdir(parents=True, exist_ok=True)
+            (d.watch / rel).write_bytes(data)
+        claims = {c.path: c.blake3 for c in d.wait_durable(len(files))}
+        assert claims == {rel: b3(data) for rel, data in files.items()}
+
+
+def test_a_watched_dir_named_like_a_hidden_dir_is_watched(tmp_path: Path, sock_dir: Path) -> None:
+    dot, other = tmp_path / ".checkpoints", tmp_path / "logs"
+    dot.mkdir()
+    other.mkdir()
+    d = make_daemon(tmp_path, sock_dir)
+    d.config.write_text(d.config.read_text().replace(str(d.watch), str(dot)).replace("]", f', "{other}"]', 1))
+    d.start()
+    try:
+        (dot / "cell-a").mkdir()
+        (dot / "cell-a" / "best.pt").write_bytes(b"ckpt")
+        (other / "train.log").write_bytes(b"log")
+        assert sorted(c.path for c in d.wait_durable(2)) == [".checkpoints/cell-a/best.pt", "logs/train.log"]
+    finally:
+        d.kill()
+
+
+def test_symlinks_special_files_unlistable_dirs_and_long_paths_are_reported(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "secret.pt").write_bytes(b"not in the watched dir")
+    # Without CAP_DAC_OVERRIDE even root gets EACCES on a mode-000 dir, as a normal user would.
+    drop = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+    with running(tmp_path, prefix=drop) as d:
+        (d.watch / "ok.bin").write_bytes(b"fine")
+        os.symlink(elsewhere, d.watch / "linked")
+        os.symlink(elsewhere / "secret.pt", d.watch / "link.pt")
+        os.mkfifo(d.watch / "pipe")
+        locked = d.watch / "locked"
+        locked.mkdir()
+        (locked / "inside.pt").write_bytes(b"cannot be seen")
+        locked.chmod(0)
+        # A path longer than PATH_MAX, built one relative step at a time.
+        fd = os.open(d.watch, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for _ in range(20):
+                os.mkdir("d" * 250, dir_fd=fd)
+                nfd = os.open("d" * 250, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+            wfd = os.open("deep.bin", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+            os.write(wfd, b"deep")
+            os.close(wfd)
+        finally:
+            os.close(fd)
+        try:
+            d.wait_durable(1)
+            pending = {p.path: p for p in d.listing().pending}
+            assert pending["linked"].state == pb.PENDING_UNCLAIMABLE and "symlink" in pending["linked"].detail
+            assert pending["link.pt"].state == pb.PENDING_UNCLAIMABLE
+            assert pending["pipe"].state == pb.PENDING_UNCLAIMABLE and "fifo" in pending["pipe"].detail
+            assert pending["locked"].state == pb.PENDING_UNCLAIMABLE
+            assert "cannot list" in pending["locked"].detail
+            deep = [p for p in pending.values() if p.path.startswith("d" * 250)]
+            assert deep and all(p.state == pb.PENDING_UNCLAIMABLE for p in deep)
+            # And the release refuses while they are there, deleting nothing.
+            resp = d.stub.ReleaseArtifacts(
+                pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest), timeout=30
+            )
+            assert not resp.deleted
+            assert {"UNCLAIMABLE"} == {r.code for r in resp.refused}
+            assert (d.watch / "ok.bin").exists()
+        finally:
+            locked.chmod(0o755)
+
+
+def test_a_dead_sidecar_is_not_restarted_on_other_watched_dirs(tmp_path: Path, sock_dir: Path) -> None:
+    d = make_daemon(tmp_path, sock_dir)
+    d.start()
+    (d.watch / "a.bin").write_bytes(b"claimed")
+    d.wait_durable(1)
+    d.kill()
+    other = tmp_path / "other"
+    other.mkdir()
+    d.config.write_text(d.config.read_text().replace(str(d.watch), str(other)))
+    r = d.run_foreground()
+    assert r.returncode == 2
+    assert "holds 1 claims" in r.stderr and str(d.watch) in r.stderr
+    # The claim was not ended with a false "deleted" reason.
+    db = sqlite3.connect(d.state / "ledger.sqlite")
+    assert db.execute("SELECT count(*) FROM claims WHERE current = 1").fetchone()[0] == 1
+    db.close()
+
+
+def test_another_ledger_never_writes_into_a_runs_durable_corner(tmp_path: Path, sock_dir: Path) -> None:
+    a = make_daemon(tmp_path / "a", sock_dir, durable_url=(tmp_path / "shared").as_uri(), run_id="r1")
+    (tmp_path / "shared").mkdir()
+    a.start()
+    (a.watch / "best.pt").write_bytes(b"run one")
+    a.wait_durable(1)
+    a.kill()
+    b = make_daemon(tmp_path / "b", sock_dir, durable_url=(tmp_path / "shared").as_uri(), run_id="r1")
+    r = b.run_foreground()
+    assert r.returncode == 2
+    assert "another run" in r.stderr
+    assert (tmp_path / "shared" / "t1" / "r1" / "best.pt").read_bytes() == b"run one"
+
+
+def test_release_never_replaces_a_file_at_the_aside_name(tmp_path: Path) -> None:
+    """34164bb renamed `x` to `.x.bw-release` with a replacing rename: a file already there was lost."""
+    with running(tmp_path) as d:
+        (d.watch / "x.pt").write_bytes(b"claimed")
+        (d.watch / ".x.pt.bw-release").write_bytes(b"precious, never pulled")
+        d.wait_durable(2)  # not a temp name any more: it is claimed like any file
+        resp = d.stub.ReleaseArtifacts(
+            pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest), timeout=30
+        )
+        assert sorted(resp.deleted) == [".x.pt.bw-release", "x.pt"]
+        assert (d.store / ".x.pt.bw-release").read_bytes() == b"precious, never pulled"
+
+
+def test_release_is_exclusive_blocks_jobs_and_deletes_only_verified_bytes(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        big = os.urandom(1 << 20) * 96  # the release re-reads the durable copy first: it takes a while
+        (d.watch / "big.bin").write_bytes(big)
+        d.wait_durable(1)
+        digest = d.listing().manifest_digest
+        req = pb.ReleaseArtifactsRequest(manifest_digest=digest)
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
+            second = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
+            answers = [first.result(), second.result()]
+        busy = [a for a in answers if [r.code for r in a.refused] == ["RELEASE_RUNNING"]]
+        done = [a for a in answers if list(a.deleted) == ["big.bin"]]
+        assert len(busy) == 1 and len(done) == 1 and not done[0].refused
+        assert not (d.watch / "big.bin").exists()
+        assert (d.store / "big.bin").read_bytes() == big
+
+
+def test_start_job_is_refused_while_a_release_runs(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        (d.watch / "big.bin").write_bytes(os.urandom(1 << 20) * 128)
+        d.wait_durable(1)
+        req = pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest)
+        with ThreadPoolExecutor(1) as pool:
+            release = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
+            refused = None
+            while not release.done():
+                try:
+                    d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=10)
+                except grpc.RpcError as e:
+                    refused = e
+                    break
+            assert release.result().deleted == ["big.bin"]
+        assert refused is not None, "StartJob was never refused during the release"
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "release" in (refused.details() or "")
+
+
+def test_listing_is_paged_over_one_snapshot(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        for i in range(7):
+            (d.watch / f"f{i}.bin").write_bytes(b"%d" % i)
+        (d.watch / "w.tmp").write_bytes(b"temp")
+        d.wait_durable(7)
+        pages, token = [], ""
+        while True:
+            page = d.stub.ListArtifacts(pb.ListArtifactsRequest(page_size=3, page_token=token), timeout=10)
+            pages.append(page)
+            token = page.next_page_token
+            if not token:
+                break
+        assert len(pages) == 3
+        assert {p.manifest_digest for p in pages} == {pages[0].manifest_digest}
+        assert [c.path for p in pages for c in p.claims] == [f"f{i}.bin" for i in range(7)]
+        assert [e.path for p in pages for e in p.pending] == ["w.tmp"]
+        assert pages[0].total_claims == 7 and pages[0].total_pending == 1
+        with pytest.raises(grpc.RpcError) as e:
+            d.stub.ListArtifacts(pb.ListArtifactsRequest(page_token=pages[0].next_page_token), timeout=10)
+        assert e.value.code() == grpc.StatusCode.ABORTED  # the snapshot ended with its last page
+
+
+def test_an_unknown_event_kind_does_not_break_the_stream(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        (d.watch / "a.bin").write_bytes(b"a")
+        d.wait_durable(1)
+        d.kill()
+        db = sqlite3.connect(d.state / "ledger.sqlite")
+        db.execute("INSERT INTO events(at_ns, kind, detail) VALUES (1, 'FROM_THE_FUTURE', 'hello')")
+        db.commit()
+        db.close()
+        d.start()
+        events = d.events()
+        future = [e for e in events if e.kind == pb.EVENT_KIND_UNSPECIFIED]
+        assert [e.detail for e in future] == ["FROM_THE_FUTURE: hello"]
+        assert events[-1].kind == pb.SIDECAR_STARTED  # the replay went on past it
+
+
+def test_os_errors_in_handlers_are_named_not_unknown(tmp_path: Path) -> None:
+    with running(tmp_path) as d:
+        job = d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=10).job
+        wait_until(
+            lambda: d.stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs[0].state != pb.JOB_STATE_RUNNING,
+            what="the job to end",
+        )
+        os.unlink(job.log_path)
+        with pytest.raises(grpc.RpcError) as e:
+            list(d.stub.TailLog(pb.TailLogRequest(job_id=job.id), timeout=10))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "I/O error on the box" in (e.value.details() or "")
