@@ -52,6 +52,7 @@ def config_for(box: Box) -> pb.SidecarConfig:
         durable_url=box.durable,
         run_id=box.run_id,
         workdir=box.workdir,
+        exclude_patterns=list(box.exclude),
     )
 
 

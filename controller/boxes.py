@@ -133,6 +133,7 @@ async def up(
     durable: str | None,
     run_id: str | None,
     roster: Sequence[str],
+    exclude: Sequence[str] = (),
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -171,6 +172,8 @@ async def up(
         raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
     for cell in roster:
         check_name(cell, "roster cell")
+    for pat in exclude:
+        check_exclude(pat)
     box_dir = state.box_dir(name)
     default_url = (box_dir / "durable").resolve().as_uri()
     live = old if old is not None and old.status != "down" else None  # a box not torn down
@@ -182,6 +185,11 @@ async def up(
     for w in watch_abs:
         check_dir_target(w, "--watch")
     _same_claims(name, old, live, watch_abs, ddir, run_id)
+    if live is not None and exclude and tuple(exclude) != live.exclude:
+        raise UsageError(
+            f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
+        )
+    excludes = tuple(exclude) or (live.exclude if live is not None else ())
     ddir = prepare_durable(ddir, own_default=url == default_url)
     for w in watch_abs:
         try:
@@ -207,6 +215,7 @@ async def up(
         durable=url,
         run_id=run_id or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
         roster=tuple(roster) or (old.roster if old else ()),
+        exclude=excludes,
         pulled_dir=old.pulled_dir if old and not fresh else "",
         notices_shown=bool(old and not fresh and old.notices_shown),
     )
@@ -219,6 +228,19 @@ async def up(
     box = box.with_(sidecar_pid=res.hello.pid, status="up", notices_shown=True)
     state.put(box)
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
+
+
+def check_exclude(pattern: str) -> None:
+    """An exclude pattern the sidecar will take: not empty, not everything, no control characters."""
+    if (
+        not pattern
+        or pattern in ("*", "**", "*/*")
+        or any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in pattern)
+    ):
+        raise UsageError(
+            f"exclude pattern {pattern!r} is not allowed: give a glob such as '*.log' or 'wandb/*' "
+            "(not empty, not everything, no control characters)"
+        )
 
 
 def _same_claims(

@@ -47,6 +47,7 @@ class Box:
     durable: str
     run_id: str
     roster: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()  # the user's exclude patterns (given at up; shown in the evidence)
     pulled_dir: str = ""
     sidecar_pid: int = 0
     status: str = "up"
@@ -62,7 +63,7 @@ class Box:
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> Box:
         data: dict[str, Any] = dict(d)
-        for key in ("watch", "roster"):
+        for key in ("watch", "roster", "exclude"):
             data[key] = tuple(data.get(key) or ())
         return cls(**data)
 

@@ -154,11 +154,17 @@ class Bw:
     def artifacts(self, name: str) -> dict[str, Any]:
         return self.json("artifacts", name)
 
-    def wait_durable(self, name: str, count: int, timeout: float = 60) -> dict[str, Any]:
+    def wait_durable(
+        self, name: str, count: int, timeout: float = 60, *, pending_ok: bool = False
+    ) -> dict[str, Any]:
+        """Until the box has exactly `count` claims, all durable, and (unless `pending_ok`: for
+        entries that stay pending by design) nothing else in its watched dirs."""
+
         def settled() -> dict[str, Any] | None:
             a = self.artifacts(name)
             claims = a.get("claims", [])
-            if len(claims) == count and all(c.get("durable") for c in claims) and not a.get("pending"):
+            calm = pending_ok or not a.get("pending")
+            if len(claims) == count and all(c.get("durable") for c in claims) and calm:
                 return a
             return None
 

@@ -43,6 +43,14 @@ from controller.cli.options import json_flag, open_state, roster_option
     "--durable", metavar="URL", help="Durable storage URL (file:///dir). Default: the box's own dir."
 )
 @click.option("--run-id", help="Immutable id of this run. Default: NAME-<timestamp>.")
+@click.option(
+    "--exclude",
+    "exclude",
+    multiple=True,
+    metavar="PATTERN",
+    help="Never claim, pull or delete files matching this glob (repeat): without '/' it matches the base "
+    "name, with '/' the path under the watched dir. Shown in the gate's evidence.",
+)
 @roster_option
 @json_flag
 def command(
@@ -56,6 +64,7 @@ def command(
     durable: str | None,
     run_id: str | None,
     roster: tuple[str, ...],
+    exclude: tuple[str, ...],
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
@@ -74,6 +83,7 @@ def command(
             durable=durable,
             run_id=run_id,
             roster=roster,
+            exclude=exclude,
         )
     )
     if as_json:
