@@ -42,7 +42,7 @@ bw logs demo | tail -n 3
 step "4. artifacts: every checkpoint sealed, hashed, pushed and proven durable"
 for _ in $(seq 1 60); do   # the last saves settle within a second
   "$BIN/boxwarden" artifacts demo --json | "$BIN/python" -c \
-    'import json,sys; a=json.load(sys.stdin); c=a.get("claims",[]); sys.exit(0 if c and all(x.get("durable") for x in c) and not a.get("unsealed") else 1)' \
+    'import json,sys; a=json.load(sys.stdin); c=a.get("claims",[]); sys.exit(0 if c and all(x.get("durable") for x in c) and not a.get("pending") else 1)' \
     && break
   sleep 0.5
 done

@@ -93,6 +93,8 @@ class Sealer:
         elif change.kind == "gone":
             art = self.namer.to_artifact(change.path)
             if art is not None:
+                # Whatever comes back under this name brings its own "done" event (dirty again).
+                self.dirty.discard(art)
                 self._spawn(f"gone:{art}", self._gone(art, change.path))
         else:
             self._spawn("rescan", self.rescan())
