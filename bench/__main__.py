@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from bench import hashing, push
+from bench import hashing, push, scale
 from bench.common import Context, FigureResult, MiB, fs_type, is_memory_fs, machine_info
 
 logger = logging.getLogger(__name__)
 
-FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push)}
+FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, scale)}
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
@@ -34,6 +34,7 @@ DEFAULT_PARENTS = (Path("/var/tmp"), REPO / "bench" / ".work")
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    p.add_argument("figures", nargs="*", metavar="FIGURE", help="run only these (as --only)")
     p.add_argument("--runs", type=int, default=5, help="runs per side; medians are reported (default 5)")
     p.add_argument("--size-mib", type=int, default=1024, help="size of the test file (default 1024)")
     p.add_argument(
@@ -47,6 +48,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.runs < 1 or args.size_mib < 1:
         p.error("--runs and --size-mib must be positive")
+    unknown = sorted(set(args.figures) - set(FIGURES))
+    if unknown:
+        p.error(f"unknown figure(s) {', '.join(unknown)}; choose from {', '.join(sorted(FIGURES))}")
+    args.only = (args.only or []) + args.figures or None
     return args
 
 
@@ -106,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         ctx = Context(work_dir=work, size=size, runs=args.runs)
         for key in keys:
             print(f"{key}: {args.runs} runs per side, {args.size_mib} MiB, in {work}", file=sys.stderr)
-            run: Callable[[Context], FigureResult] = FIGURES[key].run
-            results.append(run(ctx))
+            run: Callable[[Context], FigureResult | list[FigureResult]] = FIGURES[key].run
+            out = run(ctx)  # a figure may report several results (scale: one per budget)
+            results.extend(out if isinstance(out, list) else [out])
     finally:
         shutil.rmtree(work, ignore_errors=True)
     info["loadavg_at_end"] = os.getloadavg()

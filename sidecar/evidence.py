@@ -88,10 +88,11 @@ def _collect(
     return BoxEvidence(pending=[out[k] for k in sorted(out)], excluded_files=excluded)
 
 
-async def box_evidence(sealer: Sealer) -> BoxEvidence:
+async def box_evidence(sealer: Sealer, current: list[ClaimRow] | None = None) -> BoxEvidence:
     """The pending entries now. The ledger belongs to the loop thread: claims are read here, the
-    walk runs off-loop."""
-    claims = {c.path: c for c in sealer.ledger.current_claims()}
+    walk runs off-loop. `current`: the current claims, if the caller just read them (reading
+    100,000 twice would hold the loop for seconds)."""
+    claims = {c.path: c for c in (sealer.ledger.current_claims() if current is None else current)}
     dirty = frozenset(sealer.dirty)
     busy = sealer.busy_set()
     scan = await sealer.writes.scan()

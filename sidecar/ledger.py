@@ -298,8 +298,20 @@ class Ledger:
         return _claim(row) if row else None
 
     def current_claims(self) -> list[ClaimRow]:
-        rows = self._db.execute("SELECT * FROM claims WHERE current = 1").fetchall()
-        return sorted((_claim(r) for r in rows), key=lambda c: c.path.encode("utf-8", "surrogateescape"))
+        # Positional rows and no per-row dict lookups: this runs over every claim (100,000 on a
+        # big box) for each listing and rescan, on the loop thread.
+        cur = self._db.cursor()
+        cur.row_factory = None
+        rows = cur.execute(
+            "SELECT id, path, size, blake3, dev, ino, mtime_ns, ctime_ns, sealed_at_ns, seq, durable,"
+            " durable_at_ns, push_error, proven_at_ns FROM claims WHERE current = 1"
+        ).fetchall()
+        out = [
+            ClaimRow(i, p, sz, b3, FileIdentity(dv, ino, sz, mt, ct), sa, sq, bool(du), da, pe, pa)
+            for (i, p, sz, b3, dv, ino, mt, ct, sa, sq, du, da, pe, pa) in rows
+        ]
+        out.sort(key=lambda c: c.path.encode("utf-8", "surrogateescape"))
+        return out
 
     def oldest_not_durable_ns(self) -> int:
         """sealed_at of the oldest current claim that is not durable; 0 if none (an index lookup)."""

@@ -40,6 +40,10 @@ from sidecar.writescan import WriteScans
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+MAX_SEALING = 64
+"""Seals settling or running at once. A burst of 100,000 new files must not become 100,000 tasks
+hammering the executors and the ledger together while queries wait behind them."""
+
 
 class Sealer:
     def __init__(
@@ -69,6 +73,8 @@ class Sealer:
         # if their identity looks unchanged (two writes inside one timestamp tick).
         self.dirty: set[str] = set()
         self.last_walk_s = 0.0
+        self._sealing = asyncio.Semaphore(MAX_SEALING)
+        self._last_rescan = 0.0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -97,7 +103,7 @@ class Sealer:
                 self.dirty.discard(art)
                 self._spawn(f"gone:{art}", self._gone(art, change.path))
         else:
-            self._spawn("rescan", self.rescan())
+            self._spawn("rescan", self._rescan_soon())
 
     def candidate(self, path: Path) -> None:
         """A file may be finished: settle it and seal it (debounced per path)."""
@@ -143,15 +149,26 @@ class Sealer:
         """Artifacts whose seal is settling or running now."""
         return frozenset(self._tasks)
 
+    async def _rescan_soon(self) -> None:
+        """A rescan asked for by a directory event, at most one per few walk-times: a tree of
+        thousands of new directories must not walk everything thousands of times."""
+        gap = max(1.0, 20 * self.last_walk_s) - (time.monotonic() - self._last_rescan)
+        if gap > 0:
+            await asyncio.sleep(gap)
+        await self.rescan()
+
     async def rescan(self) -> None:
         """Walk the watched dirs: seal what changed, end claims whose file is gone."""
         started = time.monotonic()
+        self._last_rescan = started
         walked = await self.scan(self.namer.walk)
         self.last_walk_s = time.monotonic() - started
         claims = {c.path: c for c in self.ledger.current_claims()}
         seen = set()
         for art, path, st in walked:
             seen.add(art)
+            if art in self._tasks:
+                continue  # its seal is on the way; a write event brings it back if it changes again
             claim = claims.get(art)
             if claim is None or claim.identity != FileIdentity.of(st) or art in self.dirty:
                 self.candidate(path)
@@ -172,6 +189,10 @@ class Sealer:
     # -- sealing ----------------------------------------------------------------------------------
 
     async def _settle_and_seal(self, art: str, path: Path) -> None:
+        async with self._sealing:
+            await self._settle_and_seal_now(art, path)
+
+    async def _settle_and_seal_now(self, art: str, path: Path) -> None:
         ident = await self._settled(path)
         if ident is None:
             return
@@ -318,6 +339,8 @@ class Sealer:
         """Push every current claim that is not durable yet, newest first. Returns how many became durable."""
         made = 0
         for claim in self.ledger.not_durable():
+            if claim.path in self._tasks:
+                continue  # being sealed right now: that seal pushes and proves it
             async with self.lock(claim.path):
                 now = self.ledger.current(claim.path)
                 if now is None or now.id != claim.id or now.durable:

@@ -144,7 +144,7 @@ class SidecarService:
     async def _snapshot(self) -> tuple[str, _Snapshot]:
         seq = self._p.ledger.last_seq()
         claims = self._p.ledger.current_claims()
-        ev = await box_evidence(self._p.sealer)
+        ev = await box_evidence(self._p.sealer, claims)
         snap = _Snapshot(
             claims=[claim_to_pb(c) for c in claims],
             pending=[
