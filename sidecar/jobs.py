@@ -95,6 +95,7 @@ class JobSupervisor:
         self._tags = proctree.TagReader()
         # The tags of the latest table, so that one scan reads them once for every job.
         self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
+        self._orphans: dict[str, set[int]] = {}
         self._poll_task: asyncio.Task[None] | None = None
         self._me = os.getpid()
         self._recovered = False
@@ -398,7 +399,10 @@ class JobSupervisor:
 
     def _members(self, job: JobRecord, table: proctree.ProcTable) -> list[int]:
         if self._tagged is None or self._tagged[0] is not table:
+            leaders = {j.id: (j.pid, j.proc_start_ticks) for j in self._jobs.values()}
+            orphans = proctree.orphans_of_jobs(table, self._me, children.registered(), leaders)
             self._tagged = (table, self._tags.tags(table))
+            self._orphans = orphans
         return proctree.members(
             table,
             self._tagged[1],
@@ -406,6 +410,7 @@ class JobSupervisor:
             leader_pid=job.pid,
             leader_ticks=job.proc_start_ticks,
             exclude=(self._me,),
+            orphans=self._orphans.get(job.id, ()),
         )
 
     def _check(self, job_id: str, table: proctree.ProcTable) -> bool:

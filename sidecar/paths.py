@@ -32,7 +32,19 @@ RELEASE_ASIDE_PREFIX = ".bw-release."
 such a name is never sealed (an interrupted release is undone at the next start)."""
 
 # Names the controller writes at the top of a pulled tree; an artifact may not take them.
-RESERVED_TOP = frozenset({"MANIFEST.json", "PULL_VERIFIED.json", ".bw-parts"})
+RESERVED_TOP = frozenset(
+    {
+        # the pulled tree's own files
+        "MANIFEST.json",
+        "PULL_VERIFIED.json",
+        ".bw-parts",
+        # the durable store's own files, beside the artifacts at the top of a run's corner
+        ".boxwarden-tmp",
+        ".boxwarden-store-id",
+        ".boxwarden-owner",
+        ".boxwarden-attic",
+    }
+)
 
 PATH_MAX = 4096
 NAME_MAX = 255
@@ -67,7 +79,7 @@ def name_problem(art: str, top: str) -> str | None:
     if _CONTROL.search(art):
         return "its name contains a control character (newline, tab, ...): rename it"
     if top in RESERVED_TOP:
-        return f"{top!r} is reserved for the pulled tree's own files: rename it"
+        return f"{top!r} is reserved for boxwarden's own files (pulled tree, durable store): rename it"
     return None
 
 
@@ -129,8 +141,9 @@ class ArtifactNamer:
                 "temp",
                 "a temp name (a save in progress, or one left behind): finish it, delete it, or exclude it",
             )
-        top = parts[1] if self._prefixed and len(parts) > 1 else parts[0]
-        problem = name_problem(art, top)
+        # The pulled tree and the durable corner both hold artifact paths as they are (prefix and
+        # all): the reserved names are reserved at the top of the artifact path.
+        problem = name_problem(art, parts[0])
         if problem:
             return "unclaimable", problem
         return "artifact", ""

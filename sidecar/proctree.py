@@ -9,6 +9,10 @@ by command-line text:
 - every process whose environment carries `BOXWARDEN_JOB_ID=<job id>`, which each job's
   descendants inherit: this finds a double-forked, setsid() escapee wherever it was reparented,
   and again after a sidecar restart;
+- every process the kernel reparented to the sidecar (a child subreaper) that is not one of the
+  sidecar's own children: an orphan of some job, even one that cleared its environment and left
+  the session (`env -i setsid -f ...`). It is given to the newest job started before it (in doubt,
+  a job stays running: fail closed);
 - every descendant (by parent PID) of the above.
 
 Scans are cheap: one read of /proc/PID/stat per process; /proc/PID/environ is read at most once
@@ -186,9 +190,11 @@ def members(
     leader_pid: int,
     leader_ticks: int,
     exclude: Iterable[int] = (),
+    orphans: Iterable[int] = (),
 ) -> list[int]:
-    """The job's live processes, sorted; `exclude` (the sidecar itself) never counts."""
-    roots = set(tagged.get(job_id, ()))
+    """The job's live processes, sorted; `exclude` (the sidecar itself) never counts. `orphans`:
+    processes reparented to the sidecar that were attributed to this job."""
+    roots = set(tagged.get(job_id, ())) | set(orphans)
     leader = table.procs.get(leader_pid)
     if leader is not None and leader_ticks and leader.start_ticks == leader_ticks:
         # The PID is still ours (alive or our unreaped zombie): so are its session and group.
@@ -199,6 +205,22 @@ def members(
         roots.update(p.pid for p in table.procs.values() if leader_pid in (p.session, p.pgrp))
     found = table.closure(roots, set(exclude))
     return sorted(pid for pid in found if not table.procs[pid].zombie)
+
+
+def orphans_of_jobs(
+    table: ProcTable, me: int, own: frozenset[int], leaders: dict[str, tuple[int, int]]
+) -> dict[str, set[int]]:
+    """Processes reparented to the sidecar `me` (not its own children), each given to the job
+    (id -> (leader pid, leader start ticks)) started last before it; with no such job, to all."""
+    ordered = sorted(leaders.items(), key=lambda kv: kv[1][1])
+    out: dict[str, set[int]] = {}
+    for p in table.procs.values():
+        if p.ppid != me or p.zombie or p.pid in own or p.pid in {pid for pid, _ in leaders.values()}:
+            continue
+        before = [job for job, (_pid, ticks) in ordered if ticks <= p.start_ticks]
+        for job in before[-1:] or [job for job, _ in ordered]:
+            out.setdefault(job, set()).add(p.pid)
+    return out
 
 
 def send_signal(p: Proc, sig: signal.Signals) -> None:

@@ -14,6 +14,8 @@ An aside name is `.bw-release.<claim id>`; `restore_asides` undoes a release the
 from __future__ import annotations
 
 import asyncio
+import errno
+import fcntl
 import logging
 import os
 from collections.abc import Callable
@@ -22,10 +24,10 @@ from pathlib import Path
 
 from sidecar.errors import SidecarError
 from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
-from sidecar.hashing import hash_file_read
+from sidecar.hashing import new_hasher
 from sidecar.ledger import ClaimRow
 from sidecar.manifest import manifest_digest
-from sidecar.openfiles import write_lease_blocked
+from sidecar.openfiles import open_for_write
 from sidecar.paths import RELEASE_ASIDE_PREFIX
 from sidecar.renames import rename_noreplace
 from sidecar.sealer import Sealer, identity
@@ -181,7 +183,12 @@ class Releaser:
 
 
 def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
-    """Blocking. Returns (why it was kept or "", whether its bytes differ from the claim)."""
+    """Blocking. Returns (why it was kept or "", whether its bytes differ from the claim).
+
+    The file is held under a read lease from before it is hashed until after it is unlinked: a
+    writer's open() of it then breaks the lease (and waits), which is seen before the unlink (the
+    file is kept) or right after it (reported, so the teardown stops: that writer's bytes are not
+    pulled). Where leases are not available, a /proc scan stands in, and in doubt the file is kept."""
     try:
         rename_noreplace(path, aside)
     except FileExistsError:
@@ -189,28 +196,72 @@ def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
     except OSError as e:
         return f"cannot rename it aside: {e.strerror}", False
     why, mismatch = "", False
+    fd, leased = -1, False
     try:
-        st = os.lstat(aside)
+        fd = os.open(aside, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        st = os.fstat(fd)
         # A rename sets the inode's ctime: compare what it cannot change; the hash settles the rest.
         if (st.st_dev, st.st_ino, st.st_size) != (c.identity.dev, c.identity.ino, c.identity.size):
             why = "changed since its claim"
-        elif write_lease_blocked(aside):
-            why = "someone holds it open for writing"
-        elif hash_file_read(aside) != c.blake3:
+        else:
+            why, leased = _hold_lease(fd, aside)
+        if not why and _hash_fd(fd) != c.blake3:
             why, mismatch = "its bytes differ from the claim", True
-        elif write_lease_blocked(aside):
+        if not why and not _lease_intact(fd, aside, leased):
             why = "someone opened it for writing while it was hashed"
+        if not why:
+            os.unlink(aside)
+            if not _lease_intact(fd, aside, leased):
+                return "someone opened it for writing as it was deleted: their bytes are not pulled", False
+            _fsync_dir(path.parent)
+            return "", False
     except OSError as e:
-        why = f"cannot read it: {e.strerror}"
-    if not why:
-        os.unlink(aside)
-        _fsync_dir(path.parent)
-        return "", False
+        why = why or f"cannot read it: {e.strerror}"
+    finally:
+        if fd >= 0:
+            os.close(fd)  # drops the lease
     try:
         rename_noreplace(aside, path)
     except OSError as e:
         return f"{why}; it stays at {aside.name} ({e.strerror}: a new file took its name)", mismatch
     return why, mismatch
+
+
+def _hold_lease(fd: int, aside: Path) -> tuple[str, bool]:
+    """Take a read lease on the open file. Returns (why not to delete it, whether a lease is held);
+    without leases (filesystem, privileges), a /proc scan stands in."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        return "", True
+    except OSError as e:
+        if e.errno == errno.EAGAIN:
+            return "someone holds it open for writing", False
+    return _scan_problem(aside), False
+
+
+def _scan_problem(aside: Path) -> str:
+    scan = open_for_write([aside.parent], exclude_pids=(os.getpid(),))
+    if aside in scan.paths:
+        return "someone holds it open for writing"
+    if scan.unreadable_pids:
+        return "cannot tell that nobody writes it (no lease here, and processes the sidecar cannot see)"
+    return ""
+
+
+def _lease_intact(fd: int, aside: Path, leased: bool) -> bool:
+    """No writer has opened the file since the check began (a lease break leaves it F_UNLCK)."""
+    if not leased:
+        return not _scan_problem(aside)
+    return bool(fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK)
+
+
+def _hash_fd(fd: int) -> str:
+    hasher = new_hasher()
+    offset = 0
+    while chunk := os.pread(fd, 8 << 20, offset):
+        hasher.update(chunk)
+        offset += len(chunk)
+    return hasher.hexdigest()
 
 
 def _fsync_dir(d: Path) -> None:

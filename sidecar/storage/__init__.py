@@ -40,6 +40,10 @@ TMP_DIRNAME = ".boxwarden-tmp"
 ID_NAME = ".boxwarden-store-id"
 """File under a store's root holding its random id (see `DurableStore.store_id`); reserved too."""
 
+ATTIC_NAME = ".boxwarden-attic"
+"""Directory under a run's root where old copies go when a path changes kind (a file becomes a
+directory or back): durable copies are moved aside, never deleted."""
+
 OWNER_NAME = ".boxwarden-owner"
 """File under a run's root naming the ledger that owns it (see `DurableStore.bind_owner`); reserved."""
 
@@ -139,7 +143,7 @@ def split_rel(rel: str) -> tuple[str, ...]:
                 f"artifact path {rel!r} has a {part or 'empty'!r} component; "
                 "only plain names separated by single '/' are allowed"
             )
-    if parts[0] in (ID_NAME, OWNER_NAME):
+    if parts[0] in (ID_NAME, OWNER_NAME, ATTIC_NAME):
         raise UnsafePathError(f"artifact path {rel!r} is the store's reserved id file")
     if parts[0] == TMP_DIRNAME:
         raise UnsafePathError(f"artifact path {rel!r} is inside the store's reserved {TMP_DIRNAME}/")

@@ -24,6 +24,7 @@ import itertools
 import logging
 import mmap
 import os
+import stat
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +35,7 @@ from urllib.parse import quote, unquote, urlsplit
 from sidecar import hashing
 from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.storage import (
+    ATTIC_NAME,
     ID_NAME,
     OWNER_NAME,
     TMP_DIRNAME,
@@ -296,6 +298,7 @@ class LocalStore:
         finally:
             close_fd(fd)
         final = self.root.joinpath(*parts)
+        self._clear_the_way(parts)
         dir_fds, first_new = walk_dirs(self.root, parts[:-1], create=True)
         try:
             # rename() replaces a symlink at the final name rather than following it, but a
@@ -317,6 +320,32 @@ class LocalStore:
         finally:
             for dfd in dir_fds:
                 close_fd(dfd)
+
+    def _clear_the_way(self, parts: tuple[str, ...]) -> None:
+        """An old copy of another kind in the way (a file where this path needs a directory, a
+        directory where it needs a file: the trainer changed formats) moves to the attic, whole."""
+        for depth in range(1, len(parts) + 1):
+            here = self.root.joinpath(*parts[:depth])
+            try:
+                st = os.lstat(here)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                raise storage_error("looking at", here, exc) from exc
+            last = depth == len(parts)
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(f"{here} is a symlink; nothing under the durable root may be one")
+            if (not last and not stat.S_ISDIR(st.st_mode)) or (last and stat.S_ISDIR(st.st_mode)):
+                attic = self.root / ATTIC_NAME / uuid.uuid4().hex
+                try:
+                    attic.mkdir(parents=True, mode=0o755)
+                    os.rename(here, attic / parts[depth - 1])
+                except OSError as exc:
+                    raise storage_error("moving an old copy of another kind aside from", here, exc) from exc
+                logger.warning("moved the old copy at %s to %s: the path changed kind", here, attic)
+                return
+            if last:
+                return
 
     def discard(self, staged: StagedCopy) -> None:
         if staged.tmp_path.parent != self._tmp_dir:

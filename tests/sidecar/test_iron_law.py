@@ -321,3 +321,47 @@ def test_os_errors_in_handlers_are_named_not_unknown(tmp_path: Path) -> None:
             list(d.stub.TailLog(pb.TailLogRequest(job_id=job.id), timeout=10))
         assert e.value.code() == grpc.StatusCode.NOT_FOUND
         assert "I/O error on the box" in (e.value.details() or "")
+
+
+def test_a_job_child_that_clears_its_environment_and_leaves_the_session_keeps_the_job_running(
+    tmp_path: Path,
+) -> None:
+    """`env -i setsid -f ...` drops the job's environment tag and its session; the process is
+    reparented to the sidecar (a child subreaper), which still counts it as the job's."""
+    pidfile = tmp_path / "escapee.pid"
+    inner = f"echo $$ > {pidfile}; exec sleep 300"
+    with running(tmp_path) as d:
+        job = d.stub.StartJob(
+            pb.StartJobRequest(argv=["sh", "-c", f"env -i /usr/bin/setsid -f /bin/sh -c '{inner}'"]),
+            timeout=10,
+        ).job
+        pid = int(wait_until(lambda: pidfile.exists() and pidfile.read_text().strip(), what="the escapee"))
+        try:
+
+            def listed() -> pb.Job:
+                return next(
+                    j for j in d.stub.ListJobs(pb.ListJobsRequest(), timeout=10).jobs if j.id == job.id
+                )
+
+            seen = wait_until(lambda: (j := listed()).leader_exited and j, what="the leader to exit")
+            assert seen.state == pb.JOB_STATE_RUNNING
+            assert pid in seen.live_pids
+        finally:
+            os.kill(pid, 9)
+        wait_until(lambda: listed().state == pb.JOB_STATE_EXITED, what="the job to end with its escapee")
+
+
+def test_release_keeps_a_file_someone_holds_open_for_writing_and_puts_it_back(tmp_path: Path) -> None:
+    from sidecar.identity import FileIdentity
+    from sidecar.ledger import ClaimRow
+    from sidecar.release import _delete_verified
+
+    f, aside = tmp_path / "best.pt", tmp_path / ".bw-release.1"
+    f.write_bytes(b"claimed bytes")
+    claim = ClaimRow(1, "best.pt", 13, b3(b"claimed bytes"), FileIdentity.from_path(f), 0, 1, True, 0, "")
+    with open(f, "r+b"):  # a writer that kept its fd
+        why, mismatch = _delete_verified(f, aside, claim)
+    assert why == "someone holds it open for writing" and not mismatch
+    assert f.read_bytes() == b"claimed bytes" and not aside.exists()
+    why, _ = _delete_verified(f, aside, claim)  # nobody writes it now: deleted
+    assert why == "" and not f.exists() and not aside.exists()
