@@ -6,6 +6,7 @@ plain rows the renderer shows.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -185,6 +186,7 @@ async def up(
     for w in watch_abs:
         check_dir_target(w, "--watch")
     _same_claims(name, old, live, watch_abs, ddir, run_id)
+    _durable_apart(ddir, watch_abs, box_dir)
     if live is not None and exclude and tuple(exclude) != live.exclude:
         raise UsageError(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
@@ -228,6 +230,19 @@ async def up(
     box = box.with_(sidecar_pid=res.hello.pid, status="up", notices_shown=True)
     state.put(box)
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
+
+
+def _durable_apart(ddir: Path, watch: list[Path], box_dir: Path) -> None:
+    """The durable dir may not overlap a watched dir (either way) nor the box's state: checked here,
+    before anything is created, so a refused `up` leaves nothing behind in a watched dir."""
+    d = Path(os.path.realpath(ddir))
+    for w in [*watch, box_dir / "sidecar"]:
+        r = Path(os.path.realpath(w))
+        if d == r or r in d.parents or d in r.parents:
+            raise UsageError(
+                f"the durable dir {ddir} overlaps {w}: the sidecar would claim (and copy) its own copies, or "
+                "the copies would live and die with what they protect; put it outside every watched dir"
+            )
 
 
 def check_exclude(pattern: str) -> None:

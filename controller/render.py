@@ -156,7 +156,7 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
         pb.PENDING_UNCLAIMABLE: "unclaimable",
     }
     for p in listing.pending:
-        warn(f"{p.path}: {states.get(p.state, 'pending')}: {p.detail}")
+        warn(f"{safe(p.path)}: {states.get(p.state, 'pending')}: {safe(p.detail)}")
     if listing.excluded_files:
         info(f"{listing.excluded_files} files excluded by the patterns given at up")
 

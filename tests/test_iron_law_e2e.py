@@ -288,3 +288,22 @@ def test_the_audit_record_of_a_refused_release_says_why(bw: Bw) -> None:
     db.close()
     assert [r["code"] for r in record["reasons"]] == ["NOT_DURABLE"]
     assert record["result"]["deleted"] == [] and record["result"]["sidecar_gone"] is False
+
+
+def test_a_durable_dir_inside_the_watched_dir_is_refused_before_anything_is_created(bw: Bw) -> None:
+    watch = bw.cwd / "ckpt"
+    r = bw("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt",
+           "--durable", (watch / "dur").as_uri())  # fmt: skip
+    assert r.returncode == 2 and "overlaps" in r.stderr
+    assert not (watch / "dur").exists()
+
+
+def test_artifacts_shows_odd_pending_names_escaped(bw: Bw) -> None:
+    p = bw.up(NAME)
+    (p["watch"] / "d\nx").mkdir()
+    (p["watch"] / "d\nx" / "in.bin").write_bytes(b"x")
+    (p["watch"] / "t\tab.bin").write_bytes(b"y")
+    wait_until(lambda: len(bw.artifacts(NAME)["pending"]) == 2, what="both names reported")
+    r = bw.ok("artifacts", NAME)
+    assert "d\\x0ax/in.bin" in r.stderr and "t\\x09ab.bin" in r.stderr
+    assert "\t" not in r.stderr
