@@ -327,19 +327,28 @@ def test_symlinked_tmp_dir_is_refused(store: LocalStore, tmp_path: Path) -> None
     assert (elsewhere / "precious").read_bytes() == b"keep me"
 
 
-def test_directory_at_final_name_is_a_storage_error(store: LocalStore, tmp_path: Path) -> None:
+def test_an_old_directory_at_the_final_name_moves_to_the_attic_whole(
+    store: LocalStore, tmp_path: Path
+) -> None:
     (store.root / "ckpt").mkdir()
-    staged = store.stage(write_random(tmp_path / "x", 10), "ckpt")
-    with pytest.raises(StorageError, match="ckpt"):
-        store.commit(staged)
+    (store.root / "ckpt" / "old.bin").write_bytes(b"an older run of the format")
+    src = write_random(tmp_path / "x", 10)
+    push(store, src, "ckpt")
+    assert (store.root / "ckpt").read_bytes() == src.read_bytes()
+    (kept,) = (store.root / ".boxwarden-attic").glob("*/ckpt/old.bin")
+    assert kept.read_bytes() == b"an older run of the format"  # moved aside, never deleted
     assert temps(store.root) == []
 
 
-def test_file_where_a_directory_should_be(store: LocalStore, tmp_path: Path) -> None:
+def test_an_old_file_where_a_directory_is_needed_moves_to_the_attic(
+    store: LocalStore, tmp_path: Path
+) -> None:
     src = write_random(tmp_path / "x", 10)
     push(store, src, "a")
-    with pytest.raises(StorageError, match="a file sits where a directory is expected"):
-        store.commit(store.stage(src, "a/b"))
+    push(store, src, "a/b")
+    assert (store.root / "a" / "b").read_bytes() == src.read_bytes()
+    (kept,) = (store.root / ".boxwarden-attic").glob("*/a")
+    assert kept.read_bytes() == src.read_bytes()
     assert temps(store.root) == []
 
 
