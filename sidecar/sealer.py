@@ -90,10 +90,12 @@ class Sealer:
     def on_change(self, change: FsChange) -> None:
         if change.kind in ("done", "dirty"):
             art = self.namer.to_artifact(change.path)
-            if art is not None:
+            # A write to a CLAIMED file forces a re-hash whatever its identity says; a file with no
+            # claim is hashed at its first seal anyway (and its identity is checked around the read).
+            if art is not None and self.ledger.current(art) is not None:
                 self.dirty.add(art)
-                if art in self._tasks:
-                    self._again.add(art)
+            if art is not None and art in self._tasks:
+                self._again.add(art)
             if change.kind == "done":
                 self.candidate(change.path)
         elif change.kind == "gone":

@@ -144,13 +144,18 @@ class SidecarService:
     async def _snapshot(self) -> tuple[str, _Snapshot]:
         seq = self._p.ledger.last_seq()
         claims = self._p.ledger.current_claims()
-        ev = await box_evidence(self._p.sealer, claims)
+        # The walk of the watched dirs runs off-loop; convert and digest the claims meanwhile.
+        walking = asyncio.ensure_future(box_evidence(self._p.sealer, claims))
+        await asyncio.sleep(0)  # let it take its copy of the sealer's state and start
+        as_pb = [claim_to_pb(c) for c in claims]
+        digest = manifest_digest(claims)
+        ev = await walking
         snap = _Snapshot(
-            claims=[claim_to_pb(c) for c in claims],
+            claims=as_pb,
             pending=[
                 pb.Pending(path=p.path, state=PENDING_STATES[p.state], detail=p.detail) for p in ev.pending
             ],
-            digest=manifest_digest(claims),
+            digest=digest,
             seq=seq,
             excluded=ev.excluded_files,
             taken=time.monotonic(),
