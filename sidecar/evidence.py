@@ -60,7 +60,10 @@ def _collect(
             out[shown] = PendingEntry(shown, UNCLAIMABLE, e.why)
             continue
         being_written = e.art in writing
-        if not being_written and e.kind == "artifact":
+        # The /proc scan saw every process's fds: it is the answer. Only where it could not (other
+        # users' processes) does each file get the kernel's own word, a lease probe (100,000 of
+        # them cost seconds). Release probes every file with a held lease before it deletes it.
+        if not being_written and e.kind == "artifact" and in_doubt:
             lease = write_lease_blocked(e.path)
             being_written = bool(lease) or (lease is None and in_doubt)
         if e.kind == "temp":
