@@ -41,19 +41,25 @@ def open_for_write(roots: Sequence[Path], *, exclude_pids: Collection[int] = ())
     # caller's spelling (e.g. /workspace may be a symlink to /mnt/ws).
     mapped = [(os.path.realpath(r), Path(os.path.abspath(r))) for r in roots]
     paths: set[Path] = set()
-    unreadable = 0
     excluded = {int(p) for p in exclude_pids}
     with os.scandir("/proc") as entries:
-        for entry in entries:
-            if not entry.name.isdigit() or int(entry.name) in excluded:
-                continue
+        pids = [e.name for e in entries if e.name.isdigit() and int(e.name) not in excluded]
+    # A process in the middle of execve() refuses its fds for an instant: ask those once more
+    # before counting them as unreadable (each one makes every caller fall back to slower checks).
+    for attempt in range(2):
+        retry = []
+        for pid in pids:
             try:
-                _scan_pid(entry.name, mapped, paths)
+                _scan_pid(pid, mapped, paths)
             except PermissionError:
-                if not _is_kernel_thread(entry.name):
-                    unreadable += 1
+                if not _is_kernel_thread(pid):
+                    retry.append(pid)
             except (FileNotFoundError, ProcessLookupError):
                 pass  # exited mid-scan
+        pids = retry
+        if not pids or attempt:
+            break
+    unreadable = len(pids)
     if unreadable:
         logger.debug("open-for-write scan could not read the fds of %s processes", unreadable)
     return OpenWrites(paths=frozenset(paths), unreadable_pids=unreadable)

@@ -106,8 +106,10 @@ class ArtifactNamer:
     ) -> None:
         self._roots = watch_dirs
         self._prefixed = len(watch_dirs) > 1
-        self._temp = temp_patterns
-        self._exclude = exclude_patterns
+        # Each pattern list as one compiled regex: a walk classifies 100,000 names.
+        self._temp = _any_of(temp_patterns)
+        self._exclude_base = _any_of(tuple(p for p in exclude_patterns if "/" not in p))
+        self._exclude_path = _any_of(tuple(p for p in exclude_patterns if "/" in p))
         # One watched dir inside another: a file's artifact path is `to_artifact`'s (the first root
         # that holds it), not the one the walk would build from where it found it.
         self._nested = any(a != b and b in a.parents for a in watch_dirs for b in watch_dirs)
@@ -120,14 +122,13 @@ class ArtifactNamer:
 
     def is_temp_name(self, name: str) -> bool:
         """A file base name that marks a save in progress (temp patterns, release asides)."""
-        return name.startswith(RELEASE_ASIDE_PREFIX) or any(
-            fnmatch.fnmatchcase(name, pat) for pat in self._temp
-        )
+        return name.startswith(RELEASE_ASIDE_PREFIX) or bool(self._temp and self._temp.match(name))
 
     def is_excluded(self, art: str) -> bool:
         """Excluded by the user: a pattern without '/' matches the base name, one with '/' the path."""
-        base = art.rsplit("/", 1)[-1]
-        return any(fnmatch.fnmatchcase(art if "/" in pat else base, pat) for pat in self._exclude)
+        if self._exclude_path is not None and self._exclude_path.match(art):
+            return True
+        return self._exclude_base is not None and bool(self._exclude_base.match(art.rsplit("/", 1)[-1]))
 
     def kind_of(self, art: str) -> tuple[EntryKind, str]:
         """What a regular file at this artifact path is, and why (for the non-artifacts)."""
@@ -272,6 +273,13 @@ class ArtifactNamer:
         if self.is_excluded(art):
             return Entry(art, p, None, "excluded", "matches an exclude pattern given at up")
         return Entry(art, p, None, "unclaimable", why)
+
+
+def _any_of(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
+    """One regex matching exactly what fnmatchcase matches for any of `patterns`; None if none."""
+    if not patterns:
+        return None
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns))
 
 
 def _why(exc: OSError) -> str:
