@@ -24,13 +24,13 @@ from pathlib import Path
 
 from sidecar.errors import SidecarError
 from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
-from sidecar.hashing import new_hasher
 from sidecar.ledger import ClaimRow
 from sidecar.manifest import manifest_digest
 from sidecar.openfiles import open_for_write
 from sidecar.paths import RELEASE_ASIDE_PREFIX
 from sidecar.renames import rename_noreplace
 from sidecar.sealer import Sealer, identity
+from sidecar.storage.fsio import hash_by_read
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
             why = "changed since its claim"
         else:
             why, leased = _hold_lease(fd, aside)
-        if not why and _hash_fd(fd) != c.blake3:
+        if not why and hash_by_read(fd) != c.blake3:  # the fd is fresh: from byte 0
             why, mismatch = "its bytes differ from the claim", True
         if not why and not _lease_intact(fd, aside, leased):
             why = "someone opened it for writing while it was hashed"
@@ -253,15 +253,6 @@ def _lease_intact(fd: int, aside: Path, leased: bool) -> bool:
     if not leased:
         return not _scan_problem(aside)
     return bool(fcntl.fcntl(fd, fcntl.F_GETLEASE) == fcntl.F_RDLCK)
-
-
-def _hash_fd(fd: int) -> str:
-    hasher = new_hasher()
-    offset = 0
-    while chunk := os.pread(fd, 8 << 20, offset):
-        hasher.update(chunk)
-        offset += len(chunk)
-    return hasher.hexdigest()
 
 
 def _fsync_dir(d: Path) -> None:
