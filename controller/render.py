@@ -70,6 +70,12 @@ def json_out(doc: object, *, compact: bool = False) -> None:
     sys.stdout.flush()
 
 
+def text_out(text: str) -> None:
+    """A document already rendered (as json_out would write it), and a newline."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def raw_out(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.flush()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.identity import FileIdentity
 from sidecar.ledger import ClaimRow
 from sidecar.openfiles import OpenWrites, write_lease_blocked
 from sidecar.paths import ArtifactNamer, display
@@ -64,7 +63,7 @@ def _collect(
         # users' processes) does each file get the kernel's own word, a lease probe (100,000 of
         # them cost seconds). Release probes every file with a held lease before it deletes it.
         if not being_written and e.kind == "artifact" and in_doubt:
-            lease = write_lease_blocked(e.path)
+            lease = write_lease_blocked(e.where)
             being_written = bool(lease) or (lease is None and in_doubt)
         if e.kind == "temp":
             why = e.why if not being_written else "a temp name being written (a save in progress)"
@@ -83,7 +82,7 @@ def _collect(
         if claim is None:
             why = "being sealed" if e.art in busy else "not sealed yet"
             out[shown] = PendingEntry(shown, CHANGED, why)
-        elif claim.identity != FileIdentity.of(e.st) or e.art in dirty:
+        elif not claim.identity.matches(e.st) or e.art in dirty:
             out[shown] = PendingEntry(shown, CHANGED, "changed since its claim; being sealed again")
     for path in claims.keys() - seen:
         shown = display(path)

@@ -116,6 +116,13 @@ class Ledger:
                 self.counts.durable += r["n"]
                 self.counts.durable_bytes += r["b"]
         self.ledger_id = self._meta_default("ledger_id", uuid.uuid4().hex)
+        # The current claims, mirrored in memory: a listing of 100,000 reads no rows and sorts
+        # nothing unless something changed. Every change re-reads its row after its transaction
+        # committed (`_reload`), so the mirror never shows what the database does not hold.
+        self._current: dict[str, ClaimRow] = {}
+        self._sorted: list[ClaimRow] | None = None
+        self.version = 0
+        self._reload_all()
 
     def close(self) -> None:
         self._db.close()
@@ -205,6 +212,7 @@ class Ledger:
                 (path, size, blake3, ident.dev, ident.ino, ident.mtime_ns, ident.ctime_ns, now, seq),
             )
         self.counts.add(size, False, 1)
+        self._reload(path)
         claim = self.current(path)
         assert claim is not None
         return claim
@@ -218,6 +226,7 @@ class Ledger:
                 " AND size = ?",
                 (ident.dev, ident.ino, ident.mtime_ns, ident.ctime_ns, claim_id, ident.size),
             )
+        self._reload_id(claim_id)
 
     def add_changed_event(self, path: str, detail: str) -> None:
         self.add_event("ARTIFACT_CHANGED", path=path, detail=detail)
@@ -233,16 +242,21 @@ class Ledger:
             now = time.time_ns()
             if row["durable"]:
                 db.execute("UPDATE claims SET proven_at_ns = ? WHERE id = ?", (now, claim_id))
-                return True
-            db.execute(
-                "UPDATE claims SET durable = 1, durable_at_ns = ?, proven_at_ns = ?, push_error = ''"
-                " WHERE id = ?",
-                (now, now, claim_id),
-            )
-            size = db.execute("SELECT size FROM claims WHERE id = ?", (claim_id,)).fetchone()["size"]
-            self._event(db, "ARTIFACT_DURABLE", path=row["path"])
-        self.counts.durable += 1
-        self.counts.durable_bytes += size
+                durable_already = True
+            else:
+                durable_already = False
+                db.execute(
+                    "UPDATE claims SET durable = 1, durable_at_ns = ?, proven_at_ns = ?, push_error = ''"
+                    " WHERE id = ?",
+                    (now, now, claim_id),
+                )
+                self._event(db, "ARTIFACT_DURABLE", path=row["path"])
+        self._reload(row["path"])
+        if not durable_already:
+            claim = self._current.get(row["path"])
+            assert claim is not None and claim.id == claim_id
+            self.counts.durable += 1
+            self.counts.durable_bytes += claim.size
         return True
 
     def mark_not_durable(self, claim_id: int, why: str) -> None:
@@ -261,6 +275,7 @@ class Ledger:
                 (why, claim_id),
             )
             self._event(db, "PUSH_FAILED", path=row["path"], detail=why)
+        self._reload(row["path"])
 
     def mark_push_failed(self, claim_id: int, error: str) -> None:
         """Record why a push failed; the journal hears of it once per distinct reason."""
@@ -272,6 +287,7 @@ class Ledger:
                 return
             db.execute("UPDATE claims SET push_error = ? WHERE id = ?", (error, claim_id))
             self._event(db, "PUSH_FAILED", path=row["path"], detail=error)
+        self._reload(row["path"])
 
     def end_claim(self, path: str, reason: str, event: str) -> bool:
         """The claimed file left the box (deleted, renamed away, released): its claim is no longer current."""
@@ -284,7 +300,8 @@ class Ledger:
             if cur.rowcount == 0:
                 return False
             self._event(db, event, path=path, detail=reason)
-            return True
+        self._reload(path)
+        return True
 
     def claim_by_id(self, claim_id: str) -> ClaimRow | None:
         """Any claim, current or ended, by its id (given as text, as it appears in a file name)."""
@@ -294,24 +311,47 @@ class Ledger:
         return _claim(row) if row else None
 
     def current(self, path: str) -> ClaimRow | None:
-        row = self._db.execute("SELECT * FROM claims WHERE path = ? AND current = 1", (path,)).fetchone()
-        return _claim(row) if row else None
+        return self._current.get(path)
 
     def current_claims(self) -> list[ClaimRow]:
-        # Positional rows and no per-row dict lookups: this runs over every claim (100,000 on a
-        # big box) for each listing and rescan, on the loop thread.
+        """Every current claim, sorted by path bytes (a fresh list; the rows are shared)."""
+        if self._sorted is None:
+            self._sorted = sorted(
+                self._current.values(), key=lambda c: c.path.encode("utf-8", "surrogateescape")
+            )
+        return list(self._sorted)
+
+    def _changed(self) -> None:
+        self._sorted = None
+        self.version += 1
+
+    def _reload(self, path: str) -> None:
+        """Mirror one path's current claim (or its absence) after a committed change."""
+        row = self._db.execute("SELECT * FROM claims WHERE path = ? AND current = 1", (path,)).fetchone()
+        if row is None:
+            self._current.pop(path, None)
+        else:
+            self._current[path] = _claim(row)
+        self._changed()
+
+    def _reload_id(self, claim_id: int) -> None:
+        row = self._db.execute("SELECT path FROM claims WHERE id = ? AND current = 1", (claim_id,)).fetchone()
+        if row is not None:
+            self._reload(row["path"])
+
+    def _reload_all(self) -> None:
+        # Positional rows and no per-row dict lookups: 100,000 rows at start and after a store change.
         cur = self._db.cursor()
         cur.row_factory = None
         rows = cur.execute(
             "SELECT id, path, size, blake3, dev, ino, mtime_ns, ctime_ns, sealed_at_ns, seq, durable,"
             " durable_at_ns, push_error, proven_at_ns FROM claims WHERE current = 1"
         ).fetchall()
-        out = [
-            ClaimRow(i, p, sz, b3, FileIdentity(dv, ino, sz, mt, ct), sa, sq, bool(du), da, pe, pa)
+        self._current = {
+            p: ClaimRow(i, p, sz, b3, FileIdentity(dv, ino, sz, mt, ct), sa, sq, bool(du), da, pe, pa)
             for (i, p, sz, b3, dv, ino, mt, ct, sa, sq, du, da, pe, pa) in rows
-        ]
-        out.sort(key=lambda c: c.path.encode("utf-8", "surrogateescape"))
-        return out
+        }
+        self._changed()
 
     def oldest_not_durable_ns(self) -> int:
         """sealed_at of the oldest current claim that is not durable; 0 if none (an index lookup)."""
@@ -344,7 +384,9 @@ class Ledger:
                 ).rowcount
                 self._event(db, "PUSH_FAILED", detail=f"durable store changed ({row['value']} -> {key})")
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES ('store', ?)", (key,))
-            return reset
+        if reset:
+            self._reload_all()
+        return reset
 
     # -- jobs (implements sidecar.jobs.JobStore) -------------------------------------------------
 

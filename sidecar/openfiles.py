@@ -12,7 +12,6 @@ import errno
 import fcntl
 import logging
 import os
-import stat
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,13 +117,15 @@ def _is_kernel_thread(pid: str) -> bool:
     return len(rest) > 6 and int(rest[6]) & _PF_KTHREAD != 0
 
 
-def write_lease_blocked(path: Path) -> bool | None:
+def write_lease_blocked(path: str | Path) -> bool | None:
     """Ask the kernel whether any process holds `path` open for writing.
 
     A read lease (F_SETLEASE, F_RDLCK) is refused with EAGAIN exactly when the file is open for
-    writing by anyone — including processes whose /proc entries we cannot read. The lease is
-    dropped at once. True: being written; False: nobody writes it; None: the kernel would not say
-    (not our file and no CAP_LEASE, a filesystem without leases, not a regular file).
+    writing by anyone — including processes whose /proc entries we cannot read. The lease goes
+    with the fd, closed at once (three syscalls: a listing probes 100,000 files this way when the
+    /proc scan was incomplete). True: being written; False: nobody writes it; None: the kernel
+    would not say (not our file and no CAP_LEASE, a filesystem without leases, not a regular file:
+    leases exist only on regular files, EINVAL otherwise).
     The process must ignore SIGIO: a writer opening the file in the instant we hold the lease
     makes the kernel signal us (app.py sets SIG_IGN).
     """
@@ -133,13 +134,9 @@ def write_lease_blocked(path: Path) -> bool | None:
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        try:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-        except OSError as e:
-            return True if e.errno == errno.EAGAIN else None
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return False
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError as e:
+        return True if e.errno == errno.EAGAIN else None
     finally:
         os.close(fd)
+    return False

@@ -17,9 +17,8 @@ import fnmatch
 import os
 import re
 import stat
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from sidecar.errors import NotFoundError, UnsafePathError
 
@@ -50,6 +49,8 @@ PATH_MAX = 4096
 NAME_MAX = 255
 
 _CONTROL = re.compile("[\x00-\x1f\x7f]")
+# Names name_problem has nothing against: printable ASCII without a backslash.
+_PLAIN = re.compile("[\x20-\x5b\x5d-\x7e]*")
 
 TEMP_WHY = "a temp name (a save in progress, or one left behind): finish it, delete it, or exclude it"
 
@@ -85,16 +86,21 @@ def name_problem(art: str, top: str) -> str | None:
 
 def display(art: str) -> str:
     """A printable, wire-safe spelling of any artifact path (non-UTF-8 bytes escaped)."""
+    if art.isascii():
+        return art
     return art.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
+class Entry(NamedTuple):  # a tuple: a walk makes 100,000 (a frozen dataclass cost 0.5 s more)
     art: str  # artifact path (may hold surrogate escapes: use display() on the wire)
-    path: Path
+    where: str  # its absolute path (a str: a walk of 100,000 files makes no Path objects)
     st: os.stat_result | None  # lstat of a file; None for an entry that could not be looked at
     kind: EntryKind
     why: str = ""  # for temp and unclaimable entries: what it is and what to do
+
+    @property
+    def path(self) -> Path:
+        return Path(self.where)
 
 
 class ArtifactNamer:
@@ -132,19 +138,19 @@ class ArtifactNamer:
 
     def kind_of(self, art: str) -> tuple[EntryKind, str]:
         """What a regular file at this artifact path is, and why (for the non-artifacts)."""
-        parts = art.split("/")
         if self.is_excluded(art):
             return "excluded", "matches an exclude pattern given at up"
-        if self.is_temp_name(parts[-1]):
-            if parts[-1].startswith(RELEASE_ASIDE_PREFIX):
+        base = art[art.rfind("/") + 1 :]
+        if self.is_temp_name(base):
+            if base.startswith(RELEASE_ASIDE_PREFIX):
                 return "temp", "put aside by a release that did not finish; the sidecar restores it at start"
-            return (
-                "temp",
-                "a temp name (a save in progress, or one left behind): finish it, delete it, or exclude it",
-            )
+            return "temp", TEMP_WHY
         # The pulled tree and the durable corner both hold artifact paths as they are (prefix and
         # all): the reserved names are reserved at the top of the artifact path.
-        problem = name_problem(art, parts[0])
+        top = art[: art.find("/")] if "/" in art else art
+        if _PLAIN.fullmatch(art) and top not in RESERVED_TOP:
+            return "artifact", ""  # the common case, without name_problem's checks one by one
+        problem = name_problem(art, top)
         if problem:
             return "unclaimable", problem
         return "artifact", ""
@@ -210,34 +216,34 @@ class ArtifactNamer:
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
-            stack = [(root, f"{root.name}/" if self._prefixed else "")]
+            stack = [(str(root), f"{root.name}/" if self._prefixed else "")]
             while stack:
                 d, prefix = stack.pop()
                 try:
                     with os.scandir(d) as it:
                         entries = list(it)
                 except OSError as exc:
-                    if d == root and isinstance(exc, FileNotFoundError):
+                    if d == str(root) and isinstance(exc, FileNotFoundError):
                         out.append(self._problem(root, "the watched directory itself is gone: recreate it"))
                         continue
                     out.append(
                         self._problem(
-                            d, f"cannot list this directory ({_why(exc)}): nothing in it can be checked"
+                            Path(d), f"cannot list this directory ({_why(exc)}): nothing in it can be checked"
                         )
                     )
                     continue
                 for e in entries:
-                    p = Path(e.path)
                     try:
                         st = e.stat(follow_symlinks=False)
                     except OSError as exc:
-                        out.append(self._problem(p, f"cannot look at it ({_why(exc)})"))
+                        out.append(self._problem(Path(e.path), f"cannot look at it ({_why(exc)})"))
                         continue
                     if stat.S_ISDIR(st.st_mode):
-                        stack.append((p, f"{prefix}{e.name}/"))
+                        stack.append((e.path, f"{prefix}{e.name}/"))
                     elif stat.S_ISREG(st.st_mode):
-                        out.append(self._file(p, st, prefix + e.name, e.path))
+                        out.append(self._file(e.path, st, prefix + e.name))
                     elif stat.S_ISLNK(st.st_mode):
+                        p = Path(e.path)
                         try:
                             target = os.readlink(p)
                         except OSError:
@@ -252,27 +258,32 @@ class ArtifactNamer:
                     else:
                         out.append(
                             self._problem(
-                                p, f"not a regular file ({_file_type(st.st_mode)}): remove it or exclude it"
+                                Path(e.path),
+                                f"not a regular file ({_file_type(st.st_mode)}): remove it or exclude it",
                             )
                         )
         return out
 
-    def _file(self, p: Path, st: os.stat_result, art: str, text: str) -> Entry:
-        """A regular file found by the walk: `art` is its artifact path, `text` its path as a str."""
+    def _file(self, where: str, st: os.stat_result, art: str) -> Entry:
+        """A regular file found by the walk: `art` is its artifact path, `where` its absolute path."""
         if self._nested:
-            art = self.to_artifact(p) or art
-        if len(os.fsencode(text)) >= PATH_MAX:
+            art = self.to_artifact(Path(where)) or art
+        if len(os.fsencode(where)) >= PATH_MAX:
             return Entry(
-                art, p, st, "unclaimable", f"its path is longer than PATH_MAX ({PATH_MAX} bytes): move it up"
+                art,
+                where,
+                st,
+                "unclaimable",
+                f"its path is longer than PATH_MAX ({PATH_MAX} bytes): move it up",
             )
         kind, why = self.kind_of(art)
-        return Entry(art, p, st, kind, why)
+        return Entry(art, where, st, kind, why)
 
     def _problem(self, p: Path, why: str) -> Entry:
         art = self.to_artifact(p) or (p.name if self._prefixed else ".")
         if self.is_excluded(art):
-            return Entry(art, p, None, "excluded", "matches an exclude pattern given at up")
-        return Entry(art, p, None, "unclaimable", why)
+            return Entry(art, str(p), None, "excluded", "matches an exclude pattern given at up")
+        return Entry(art, str(p), None, "unclaimable", why)
 
 
 def _any_of(patterns: tuple[str, ...]) -> re.Pattern[str] | None:

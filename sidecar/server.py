@@ -115,10 +115,35 @@ class _Snapshot:
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
+class _WireClaims:
+    """The claims as messages, and their digest, kept between listings: a row the ledger has not
+    replaced (the same object) keeps its message, and an unchanged ledger (the same version) keeps
+    the whole list and its digest. 100,000 claims convert in about a second otherwise."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[ClaimRow, pb.Claim]] = {}
+        self._version = -1
+        self._list: list[pb.Claim] = []
+        self._digest = ""
+
+    def of(self, version: int, claims: list[ClaimRow]) -> tuple[list[pb.Claim], str]:
+        if version != self._version:
+            old, fresh = self._by_id, {}
+            for c in claims:
+                hit = old.get(c.id)
+                fresh[c.id] = hit if hit is not None and hit[0] is c else (c, claim_to_pb(c))
+            self._by_id = fresh
+            self._list = [fresh[c.id][1] for c in claims]
+            self._digest = manifest_digest(claims)
+            self._version = version
+        return self._list, self._digest
+
+
 class SidecarService:
     def __init__(self, parts: Parts) -> None:
         self._p = parts
         self._snapshots: OrderedDict[str, _Snapshot] = OrderedDict()
+        self._wire = _WireClaims()
 
     @translated
     async def Hello(self, request: pb.HelloRequest, context: Ctx) -> pb.HelloResponse:
@@ -142,13 +167,13 @@ class SidecarService:
         )
 
     async def _snapshot(self) -> tuple[str, _Snapshot]:
-        seq = self._p.ledger.last_seq()
-        claims = self._p.ledger.current_claims()
+        ledger = self._p.ledger
+        seq = ledger.last_seq()
+        claims = ledger.current_claims()
         # The walk of the watched dirs runs off-loop; convert and digest the claims meanwhile.
         walking = asyncio.ensure_future(box_evidence(self._p.sealer, claims))
         await asyncio.sleep(0)  # let it take its copy of the sealer's state and start
-        as_pb = [claim_to_pb(c) for c in claims]
-        digest = manifest_digest(claims)
+        as_pb, digest = self._wire.of(ledger.version, claims)
         ev = await walking
         snap = _Snapshot(
             claims=as_pb,

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import json.encoder
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -22,14 +25,18 @@ def command(name: str, as_json: bool) -> None:
     listing = asyncio.run(boxes.artifacts(open_state().get(name)))
     if as_json:
         # A Claim with a field this code does not know (a newer proto) goes the slow, exact way.
-        fast = tuple(f.name for f in pb.Claim.DESCRIPTOR.fields) == _CLAIM_FIELDS
-        claims = [_claim_dict(c) for c in listing.claims] if fast else None
-        if fast:
+        if tuple(f.name for f in pb.Claim.DESCRIPTOR.fields) == _CLAIM_FIELDS:
+            claims = _claims_json(listing.claims)
             del listing.claims[:]
-        doc = _to_dict(listing)
-        if claims is not None:
-            doc["claims"] = claims
-        render.json_out(doc, compact=True)
+            doc = _to_dict(listing)
+            del doc["claims"]
+            # "claims" sorts first among the response's fields: this is the document that
+            # json.dumps(..., sort_keys=True) would write, without building 100,000 dicts.
+            assert all(k > "claims" for k in doc)
+            rest = json.dumps(doc, sort_keys=True)
+            render.text_out('{"claims": ' + claims + (", " + rest[1:] if doc else "}"))
+        else:
+            render.json_out(_to_dict(listing), compact=True)
     else:
         render.artifacts(name, listing)
 
@@ -53,17 +60,22 @@ _CLAIM_FIELDS = (
 )
 
 
-def _claim_dict(c: pb.Claim) -> dict[str, Any]:
-    """`_to_dict(c)`, about 10× faster (MessageToDict took 4 s for 100,000 claims): int64 fields
-    are text, as in proto3's JSON mapping."""
-    return {
-        "path": c.path,
-        "size": str(c.size),
-        "blake3": c.blake3,
-        "sealed_at_unix_ns": str(c.sealed_at_unix_ns),
-        "seq": str(c.seq),
-        "durable": c.durable,
-        "durable_at_unix_ns": str(c.durable_at_unix_ns),
-        "push_error": c.push_error,
-        "proven_at_unix_ns": str(c.proven_at_unix_ns),
-    }
+def _claims_json(claims: Iterable[pb.Claim]) -> str:
+    """`json.dumps([_to_dict(c) for c in claims], sort_keys=True)`, written directly (MessageToDict
+    took 4 s for 100,000 claims, dicts and dumps 1 s): int64 fields are text, as in proto3's JSON
+    mapping, and every string goes through json's own escaping."""
+    q = _quote
+    return (
+        "["
+        + ", ".join(
+            f'{{"blake3": {q(c.blake3)}, "durable": {"true" if c.durable else "false"}, '
+            f'"durable_at_unix_ns": "{c.durable_at_unix_ns}", "path": {q(c.path)}, '
+            f'"proven_at_unix_ns": "{c.proven_at_unix_ns}", "push_error": {q(c.push_error)}, '
+            f'"sealed_at_unix_ns": "{c.sealed_at_unix_ns}", "seq": "{c.seq}", "size": "{c.size}"}}'
+            for c in claims
+        )
+        + "]"
+    )
+
+
+_quote: Callable[[str], str] = json.encoder.encode_basestring_ascii

@@ -104,7 +104,15 @@ class Daemon:
             cs = self.claims()
             return cs if len(cs) == count and all(c.durable for c in cs) else None
 
-        return list(wait_until(ok, timeout=timeout, what=f"{count} durable claims"))
+        try:
+            return list(wait_until(ok, timeout=timeout, what=f"{count} durable claims"))
+        except AssertionError as e:
+            listing = self.listing()
+            raise AssertionError(
+                f"{e}\nclaims: {[(c.path, c.durable) for c in listing.claims]}\n"
+                f"pending: {[(p.path, p.state, p.detail) for p in listing.pending]}\n"
+                f"sidecar log (tail):\n{(self.root / 'sidecar.log').read_text()[-6000:]}"
+            ) from None
 
     def events(self, after: int = 0) -> list[pb.Event]:
         return list(
