@@ -12,12 +12,14 @@ STAMP := $(VENV)/.setup-stamp
 setup: $(STAMP)
 
 # System tools the tests and benchmarks call (b3sum is the reference hasher; sshd and rsync serve
-# the transport tests). Installed with apt when missing and we are root; otherwise say what to run.
+# the transport tests; tmux is the detach tool a job may hand its work to). Installed with apt when
+# missing and we are root; otherwise say what to run.
 sysdeps:
 	@missing=""; \
 	command -v b3sum >/dev/null || missing="$$missing b3sum"; \
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	test -x /usr/sbin/sshd || missing="$$missing openssh-server"; \
+	command -v tmux >/dev/null || missing="$$missing tmux"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \

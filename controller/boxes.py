@@ -18,8 +18,9 @@ from urllib.parse import unquote, urlparse
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
-from controller.client import SidecarClient
+from controller.client import SidecarClient, lineage
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
+from controller.manifest import PARTS_DIR, RESERVED_NAMES
 from controller.pull import Progress, PullReport, pull
 from controller.state import Box, State
 
@@ -97,7 +98,8 @@ def prepare_durable(ddir: Path, *, own_default: bool) -> Path:
 
 @asynccontextmanager
 async def connect(box: Box) -> AsyncIterator[SidecarClient]:
-    async with SidecarClient(bootstrap.target(box)) as c:
+    # Every box runs on this machine today: the sidecar may exempt this process's lineage.
+    async with SidecarClient(bootstrap.target(box), caller_pids=lineage()) as c:
         yield c
 
 
@@ -180,6 +182,8 @@ async def up(
     live = old if old is not None and old.status != "down" else None  # a box not torn down
     url = durable or (live.durable if live is not None else default_url)
     ddir = durable_dir(url)
+    for w in watch:
+        check_watch_spelling(w if w.is_absolute() else workdir.absolute() / w, workdir)
     workdir = workdir.resolve()
     check_dir_target(workdir, "--workdir")
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
@@ -234,15 +238,60 @@ async def up(
 
 def _durable_apart(ddir: Path, watch: list[Path], box_dir: Path) -> None:
     """The durable dir may not overlap a watched dir (either way) nor the box's state: checked here,
-    before anything is created, so a refused `up` leaves nothing behind in a watched dir."""
+    before anything is created, so a refused `up` leaves nothing behind in a watched dir. Paths are
+    compared resolved, and directories also by (device, inode): a bind mount is another spelling
+    of the same directory that no path comparison sees."""
     d = Path(os.path.realpath(ddir))
     for w in [*watch, box_dir / "sidecar"]:
         r = Path(os.path.realpath(w))
-        if d == r or r in d.parents or d in r.parents:
+        if d == r or r in d.parents or d in r.parents or _same_dir_above(d, r) or _same_dir_above(r, d):
             raise UsageError(
                 f"the durable dir {ddir} overlaps {w}: the sidecar would claim (and copy) its own copies, or "
                 "the copies would live and die with what they protect; put it outside every watched dir"
             )
+
+
+def _same_dir_above(path: Path, other: Path) -> bool:
+    """Is `other` (an existing directory) `path` or one of its existing ancestors, by (dev, inode)?"""
+    try:
+        st = other.stat()
+    except OSError:
+        return False
+    for p in (path, *path.parents):
+        try:
+            mine = p.stat()
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR}
+"""With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's own."""
+
+
+def check_watch_spelling(given: Path, workdir: Path) -> None:
+    """A watched dir reached through a symlink is fixed to the link's target at `up`: re-pointing the
+    link (a `latest -> runs/r2` switch) would send new checkpoints where nobody watches. Refused for
+    a link below the workdir (a relative --watch) or at the watched dir itself (an absolute one)."""
+    base = workdir.absolute()
+    parts = given.relative_to(base).parts if given.is_relative_to(base) else (given.name,)
+    start = base if given.is_relative_to(base) else given.parent
+    cur = start
+    for part in parts:
+        cur = cur / part
+        if cur.is_symlink():
+            raise UsageError(
+                f"--watch {given}: {cur} is a symlink (to {os.readlink(cur)}); a watched dir is fixed at "
+                "`up`, so re-pointing the link would hide new checkpoints: watch the real directory "
+                f"({cur.resolve()}) or a directory above the link"
+            )
+    if given.name in RESERVED_WATCH_NAMES:
+        raise UsageError(
+            f"--watch {given}: {given.name!r} is reserved for boxwarden's own files in a pulled tree; "
+            "rename the directory"
+        )
 
 
 def check_exclude(pattern: str) -> None:

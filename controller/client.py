@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import TypeVar
@@ -36,10 +37,12 @@ def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
 
 
 class SidecarClient:
-    def __init__(self, target: str, *, timeout_s: float = 10.0) -> None:
-        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock"."""
+    def __init__(self, target: str, *, timeout_s: float = 10.0, caller_pids: tuple[int, ...] = ()) -> None:
+        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock". caller_pids: this process and its
+        ancestors when the sidecar runs on this machine (see ListJobsRequest.caller_pids)."""
         self.target = target
         self.timeout_s = timeout_s
+        self.caller_pids = caller_pids
         self._channel: grpc.aio.Channel | None = None
         self._stub: sidecar_pb2_grpc.SidecarAsyncStub | None = None
 
@@ -127,7 +130,10 @@ class SidecarClient:
 
     async def list_jobs(self) -> pb.ListJobsResponse:
         return await self._call(
-            "ListJobs", lambda: self.stub.ListJobs(pb.ListJobsRequest(), timeout=self.timeout_s)
+            "ListJobs",
+            lambda: self.stub.ListJobs(
+                pb.ListJobsRequest(caller_pids=self.caller_pids), timeout=self.timeout_s
+            ),
         )
 
     async def start_job(self, req: pb.StartJobRequest) -> pb.Job:
@@ -135,7 +141,7 @@ class SidecarClient:
         return resp.job
 
     async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
-        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest)
+        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest, caller_pids=self.caller_pids)
         # It re-reads every durable copy before deleting anything: allow for a large tree.
         return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=3600))
 
@@ -183,3 +189,19 @@ class SidecarClient:
             cancel = getattr(it, "cancel", None)
             if cancel is not None:
                 cancel()
+
+
+def lineage(pid: int | None = None) -> tuple[int, ...]:
+    """This process (or `pid`) and its ancestors, from /proc: what a local box's sidecar is told so
+    that the controller's own shell standing in the workdir is not taken for a job's stray."""
+    out: list[int] = []
+    cur = os.getpid() if pid is None else pid
+    while cur > 0 and cur not in out:
+        out.append(cur)
+        try:
+            with open(f"/proc/{cur}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            break
+        cur = int(stat[stat.rfind(b")") + 2 :].split()[1])
+    return tuple(out)

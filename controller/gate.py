@@ -59,6 +59,7 @@ class Evidence:
     excluded_files: int = 0
     exclude_patterns: list[str] = field(default_factory=list)
     jobs: list[pb.Job] = field(default_factory=list)
+    strays: list[pb.Stray] = field(default_factory=list)
     verify: VerifyReport | None = None
     marker_digest: str = ""
     allow_empty: bool = False
@@ -119,6 +120,7 @@ async def gather(
             ev.excluded_files = listing.excluded_files
             ev.exclude_patterns = list(hello.exclude_patterns)
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
+            ev.strays = list(jobs.strays)
     if pulled_dir is None:
         reasons.append(
             Reason("NOT_PULLED", detail=f"nothing pulled yet: run `boxwarden pull {box.name} --to DIR`")
@@ -219,9 +221,17 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
     if reachable:
         for j in ev.jobs:
             reasons.append(Reason("JOB_RUNNING", detail=f"job {j.id} (pid {j.pid}) {' '.join(j.argv)[:80]}"))
-        checks.append(
-            Check("no job running", not ev.jobs, ", ".join(j.id for j in ev.jobs) or "none running")
-        )
+        for x in ev.strays:
+            reasons.append(
+                Reason(
+                    "JOB_RUNNING",
+                    detail=f"pid {x.pid} ({x.command[:60]}) works in {x.cwd}, outside every job's process "
+                    "tree, and started after a job did: it may be writing for one (a tmux session, `at`, "
+                    "an orphan); stop it, or if it is only your shell, leave that directory",
+                )
+            )
+        running = [j.id for j in ev.jobs] + [f"pid {x.pid}" for x in ev.strays]
+        checks.append(Check("no job running", not running, ", ".join(running) or "none running"))
         for p in ev.pending:
             reasons.append(
                 Reason(PENDING_CODES.get(p.state, "UNSEALED_WRITES"), path=p.path, detail=p.detail)
@@ -296,6 +306,7 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
         "allow_empty": ev.allow_empty,
         "claims": [[c.path, c.size, c.blake3, c.durable, c.proven_at_unix_ns] for c in ev.claims],
         "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
+        "strays": [[x.pid, x.cwd] for x in ev.strays],
         "pending": [[p.path, int(p.state), p.detail] for p in ev.pending],
         "excluded": [ev.excluded_files, ev.exclude_patterns],
         "verified": None

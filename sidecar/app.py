@@ -16,7 +16,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -36,6 +36,7 @@ from sidecar.release import Releaser
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService
 from sidecar.storage import open_store
+from sidecar.strays import stray_line
 from sidecar.watcher import Watcher
 
 logger = logging.getLogger(__name__)
@@ -171,11 +172,12 @@ async def run(s: Settings) -> None:
         notify=journal.ring,
     )
 
-    def running_jobs() -> list[str]:
-        return [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
+    def running_jobs(caller: Sequence[int]) -> list[str]:
+        lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
+        return lines + [stray_line(x) for x in jobs.strays([str(d) for d in s.watch_dirs], caller)]
 
     releaser = Releaser(sealer, running_jobs)
-    restored = await loop.run_in_executor(scan_executor, releaser.restore_asides)
+    restored = await releaser.restore_asides()
     if restored:
         logger.warning("put back %d files an interrupted release had renamed aside", restored)
     watcher = Watcher(s.watch_dirs, loop)

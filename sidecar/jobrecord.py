@@ -39,6 +39,9 @@ class JobRecord:
     leader_exited: bool = False
     # The job's live processes at the last scan; stored only as a snapshot, never trusted.
     live_pids: list[int] = field(default_factory=list)
+    # [pid, start ticks] of the orphans the sidecar (their subreaper) gave this job: after a
+    # sidecar restart they are init's children, and only this record still ties them to the job.
+    adopted: list[list[int]] = field(default_factory=list)
 
 
 class JobStore(Protocol):

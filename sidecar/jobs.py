@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar import children, proctree
+from sidecar import children, proctree, strays
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
 
@@ -263,10 +263,14 @@ class JobSupervisor:
             return
         self._recovered = True
         table: proctree.ProcTable | None = None
-        for job in sorted(self._store.load_jobs(), key=lambda j: j.started_at_ns):
-            if job.id in self._jobs:
-                continue
-            self._jobs[job.id] = job
+        loaded = [
+            j
+            for j in sorted(self._store.load_jobs(), key=lambda j: j.started_at_ns)
+            if j.id not in self._jobs
+        ]
+        # All of them first: an orphan is given to a job by comparing it with EVERY job's leader.
+        self._jobs.update((j.id, j) for j in loaded)
+        for job in loaded:
             if job.state != "running":
                 continue
             table = table or proctree.scan()
@@ -403,6 +407,12 @@ class JobSupervisor:
             orphans = proctree.orphans_of_jobs(table, self._me, children.registered(), leaders)
             self._tagged = (table, self._tags.tags(table))
             self._orphans = orphans
+        given = self._orphans.get(job.id, set())
+        recorded = self._jobs[job.id].adopted if job.id in self._jobs else job.adopted
+        adopted = {pid for pid, ticks in recorded if table.live(pid, ticks)}
+        new = sorted([pid, table.procs[pid].start_ticks] for pid in given - adopted if pid in table.procs)
+        if new:
+            self._remember_adopted(job, new)
         return proctree.members(
             table,
             self._tagged[1],
@@ -410,7 +420,35 @@ class JobSupervisor:
             leader_pid=job.pid,
             leader_ticks=job.proc_start_ticks,
             exclude=(self._me,),
-            orphans=self._orphans.get(job.id, ()),
+            orphans=given | adopted,
+        )
+
+    def _remember_adopted(self, job: JobRecord, new: list[list[int]]) -> None:
+        """Record orphans given to `job` before anything else: a restart must still find them."""
+        live = self._jobs[job.id]
+        record = dataclasses.replace(live, adopted=live.adopted + new)
+        self._jobs[job.id] = record
+        try:
+            self._store.save_job(record)
+        except Exception:
+            logger.exception("could not record the orphans of job %s", job.id)
+
+    def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
+        """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
+        since = [j.proc_start_ticks for j in self._jobs.values() if j.proc_start_ticks]
+        if not since:
+            return []  # no job ever ran here: nothing can have left one's tree
+        running = self.running()  # scans now, and brings every job's membership up to date
+        table = proctree.scan()
+        exempt = table.closure([self._me], set()) | {pid for j in running for pid in j.live_pids}
+        for j in running:
+            exempt |= set(self._members(j, table))
+        return strays.find(
+            table,
+            roots=[*roots, str(self._default_cwd), *(j.cwd for j in self._jobs.values())],
+            since_ticks=min(since),
+            exempt=exempt,
+            caller=caller,
         )
 
     def _check(self, job_id: str, table: proctree.ProcTable) -> bool:
@@ -448,6 +486,7 @@ class JobSupervisor:
         return True
 
     def _update(self, job: JobRecord, *, live: list[int], **changes: Any) -> None:
+        job = self._jobs[job.id]  # the newest record (a scan may just have recorded orphans)
         new = dataclasses.replace(job, live_pids=live, **changes)
         if new == job:
             return

@@ -216,9 +216,13 @@ class ArtifactNamer:
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
-            stack = [(str(root), f"{root.name}/" if self._prefixed else "")]
+            try:
+                root_dev = os.lstat(root).st_dev
+            except OSError:
+                root_dev = -1  # scandir below says what is wrong with it
+            stack = [(str(root), f"{root.name}/" if self._prefixed else "", root_dev)]
             while stack:
-                d, prefix = stack.pop()
+                d, prefix, dev = stack.pop()
                 try:
                     with os.scandir(d) as it:
                         entries = list(it)
@@ -239,7 +243,16 @@ class ArtifactNamer:
                         out.append(self._problem(Path(e.path), f"cannot look at it ({_why(exc)})"))
                         continue
                     if stat.S_ISDIR(st.st_mode):
-                        stack.append((e.path, f"{prefix}{e.name}/"))
+                        if st.st_dev != dev:
+                            # Another filesystem mounted here hides whatever this one holds below it.
+                            out.append(
+                                self._problem(
+                                    Path(e.path),
+                                    "a mount point inside a watched dir: files of the filesystem under "
+                                    "it are hidden from every check; unmount it, or watch it on its own",
+                                )
+                            )
+                        stack.append((e.path, f"{prefix}{e.name}/", st.st_dev))
                     elif stat.S_ISREG(st.st_mode):
                         out.append(self._file(e.path, st, prefix + e.name))
                     elif stat.S_ISLNK(st.st_mode):

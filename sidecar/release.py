@@ -18,7 +18,7 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,8 +56,9 @@ class ReleaseResult:
     refused: list[Refusal] = field(default_factory=list)
 
 
-RunningJobs = Callable[[], list[str]]
-"""A fresh answer: one line per job whose process tree still lives."""
+RunningJobs = Callable[[Sequence[int]], list[str]]
+"""A fresh answer: one line per job whose process tree still lives, and per stray process (see
+sidecar.strays); the argument is the caller's PIDs (ListJobsRequest.caller_pids)."""
 
 
 class Releaser:
@@ -70,14 +71,14 @@ class Releaser:
     def active(self) -> bool:
         return self._lock.locked()
 
-    async def release(self, digest: str) -> ReleaseResult:
+    async def release(self, digest: str, caller: Sequence[int] = ()) -> ReleaseResult:
         if self._lock.locked():
             return ReleaseResult(
                 refused=[Refusal("RELEASE_RUNNING", detail="another release is running on this box")]
             )
         async with self._lock:
             result = ReleaseResult()
-            result.refused = await self._preconditions(digest)
+            result.refused = await self._preconditions(digest, caller)
             if result.refused:
                 return result
             for c in self._s.ledger.current_claims():
@@ -88,17 +89,17 @@ class Releaser:
                 else:
                     result.deleted.append(c.path)
             self._s.notify()
-            result.refused = await self._after(digest, result)
+            result.refused = await self._after(digest, result, caller)
             return result
 
-    async def _preconditions(self, digest: str) -> list[Refusal]:
+    async def _preconditions(self, digest: str, caller: Sequence[int]) -> list[Refusal]:
         claims = self._s.ledger.current_claims()
         refused: list[Refusal] = []
         if digest != manifest_digest(claims):
             refused.append(
                 Refusal("MANIFEST_STALE", detail="the box's claims changed since they were verified")
             )
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs()]
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs(caller)]
         refused += [
             Refusal("NOT_DURABLE", c.path, c.push_error or "push not proven yet")
             for c in claims
@@ -128,10 +129,10 @@ class Releaser:
         ev = await box_evidence(self._s)
         return [Refusal(PENDING_CODES[p.state], p.path, p.detail) for p in ev.pending]
 
-    async def _after(self, digest: str, result: ReleaseResult) -> list[Refusal]:
+    async def _after(self, digest: str, result: ReleaseResult, caller: Sequence[int]) -> list[Refusal]:
         """What is on the box now that should stop the teardown."""
         refused = [Refusal("KEPT", k.split(": ", 1)[0], k.split(": ", 1)[-1]) for k in result.kept]
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs()]
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs(caller)]
         remaining = self._s.ledger.current_claims()
         kept = {k.split(": ", 1)[0] for k in result.kept}
         for c in remaining:
@@ -159,27 +160,58 @@ class Releaser:
             self._s.dirty.discard(c.path)
         return why
 
-    def restore_asides(self) -> int:
+    async def restore_asides(self) -> int:
         """Put back files a release renamed aside and did not finish with (the sidecar died).
-        Blocking; call at start, before the watcher's first rescan."""
+        Call at start, before the watcher's first rescan. Only an aside that IS what its name says
+        goes back: claim N of this ledger, in its claimed file's directory, with its claimed bytes
+        (a user's own file that happens to be called `.bw-release.7` is left alone, and reported)."""
         restored = 0
-        for root in self._s.namer.roots:
-            for dirpath, _dirs, names in os.walk(root):
-                for name in names:
-                    if not name.startswith(RELEASE_ASIDE_PREFIX):
-                        continue
-                    aside = Path(dirpath) / name
-                    claim = self._s.ledger.claim_by_id(name[len(RELEASE_ASIDE_PREFIX) :])
-                    if claim is None:
-                        logger.warning("%s: not a release aside of this ledger; leaving it", aside)
-                        continue
-                    try:
-                        rename_noreplace(aside, self._s.namer.to_abs(claim.path))
-                    except OSError as e:
-                        logger.warning("cannot restore %s to %s: %s", aside, claim.path, e)
-                        continue
-                    restored += 1
+        for aside in await self._s.scan(_find_asides, self._s.namer.roots):
+            why = await self._restore(aside)
+            if why:
+                logger.warning("%s: %s; leaving it where it is", aside, why)
+            else:
+                restored += 1
         return restored
+
+    async def _restore(self, aside: Path) -> str:
+        claim = self._s.ledger.claim_by_id(aside.name[len(RELEASE_ASIDE_PREFIX) :])
+        if claim is None:
+            return "not a release aside of this ledger"
+        try:
+            target = self._s.namer.to_abs(claim.path)
+        except SidecarError as e:
+            return f"its claim's path cannot be used: {e}"
+        if target.parent != aside.parent:
+            return f"claim {claim.id} ({claim.path}) lives in another directory"
+        try:
+            digest = await self._s.run(_hash_path, aside)
+        except OSError as e:
+            return f"cannot read it: {e.strerror}"
+        if digest != claim.blake3:
+            return f"its bytes are not claim {claim.id}'s ({claim.path})"
+        try:
+            rename_noreplace(aside, target)
+        except OSError as e:
+            return f"cannot put it back as {claim.path}: {e.strerror}"
+        return ""
+
+
+def _find_asides(roots: tuple[Path, ...]) -> list[Path]:
+    """Blocking: every `.bw-release.*` file under the watched dirs (no symlink followed)."""
+    found = []
+    for root in roots:
+        for dirpath, _dirs, names in os.walk(root):
+            found += [Path(dirpath) / n for n in names if n.startswith(RELEASE_ASIDE_PREFIX)]
+    return found
+
+
+def _hash_path(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        return hash_by_read(fd)
+    finally:
+        os.close(fd)
 
 
 def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:

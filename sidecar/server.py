@@ -312,7 +312,15 @@ class SidecarService:
 
     @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
-        return pb.ListJobsResponse(jobs=[job_to_pb(j) for j in self._p.jobs.jobs()])
+        jobs = self._p.jobs.jobs()
+        found = self._p.jobs.strays([str(d) for d in self._p.settings.watch_dirs], request.caller_pids)
+        return pb.ListJobsResponse(
+            jobs=[job_to_pb(j) for j in jobs],
+            strays=[
+                pb.Stray(pid=x.pid, command=x.command, cwd=x.cwd, started_at_unix_ns=x.started_at_ns)
+                for x in found
+            ],
+        )
 
     @translated
     async def TailLog(self, request: pb.TailLogRequest, context: Ctx) -> AsyncIterator[pb.TailLogChunk]:
@@ -341,7 +349,7 @@ class SidecarService:
     async def ReleaseArtifacts(
         self, request: pb.ReleaseArtifactsRequest, context: Ctx
     ) -> pb.ReleaseArtifactsResponse:
-        result = await self._p.releaser.release(request.manifest_digest)
+        result = await self._p.releaser.release(request.manifest_digest, list(request.caller_pids))
         return pb.ReleaseArtifactsResponse(
             deleted=result.deleted,
             kept=result.kept,

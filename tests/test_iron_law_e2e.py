@@ -307,3 +307,86 @@ def test_artifacts_shows_odd_pending_names_escaped(bw: Bw) -> None:
     r = bw.ok("artifacts", NAME)
     assert "d\\x0ax/in.bin" in r.stderr and "t\\x09ab.bin" in r.stderr
     assert "\t" not in r.stderr
+
+
+def test_a_job_that_hands_its_work_to_a_running_tmux_server_keeps_down_refused(bw: Bw) -> None:
+    """Review 2, finding 1: a job that starts its training in a tmux server that was already
+    running (the server's child, with the server's environment) and exits was "not running", and
+    `down` destroyed the box while the session went on to write a checkpoint."""
+    sock = f"bw-{os.getpid()}-{bw.cwd.name}"[:60]
+    env = {k: v for k, v in os.environ.items() if k not in ("TMUX", "TMUX_PANE")}
+    # The user's own tmux server, started before the box (not in the workdir).
+    subprocess.run(
+        ["tmux", "-L", sock, "-f", "/dev/null", "new-session", "-d", "-s", "keep", "sleep 600"],
+        cwd="/",
+        env=env,
+        check=True,
+    )
+    server = int(
+        subprocess.run(
+            ["tmux", "-L", sock, "display-message", "-p", "#{pid}"], env=env, capture_output=True, text=True
+        ).stdout
+    )
+    try:
+        p = bw.up(NAME)
+        late = p["watch"] / "late.bin"
+        bw.ok(
+            "run",
+            NAME,
+            "--",
+            "sh",
+            "-c",
+            f"echo early > ckpt/early.bin; unset TMUX; tmux -L {sock} new-session -d "
+            f"'sleep 600; echo LATE > {late}'; exit 0",
+        )
+        bw.wait_durable(NAME, 1)
+        pull_verify(bw)
+
+        def stray() -> dict[str, Any] | None:
+            doc = dry(bw)
+            jobs = [r for r in doc["reasons"] if r["code"] == "JOB_RUNNING"]
+            return doc if any("sleep 600" in r["detail"] and "tmux" in r["detail"] for r in jobs) else None
+
+        doc = wait_until(stray, what="the tmux session's process to be named")
+        assert not doc["allowed"]
+        status = bw.json("status", NAME)
+        assert "0 running" in json.dumps(status)  # the job itself is over ...
+        r = bw("down", NAME, "--confirm", NAME)
+        assert r.returncode == 3, r.stdout  # ... but its work is not
+        assert (p["watch"] / "early.bin").exists()
+    finally:
+        os.kill(server, signal.SIGKILL)  # its sessions' processes go with their terminals
+    wait_until(lambda: dry(bw)["allowed"], what="down to be allowed once the session is gone")
+
+
+def test_a_symlinked_watch_dir_and_reserved_watch_names_are_refused_at_up(bw: Bw) -> None:
+    """Review 2, finding 4: `--watch ckpt` with `ckpt -> runs/r1` was fixed to runs/r1 at `up`;
+    re-pointing the link sent new checkpoints where nobody watched, and `down` allowed."""
+    (bw.cwd / "runs" / "r1").mkdir(parents=True)
+    (bw.cwd / "ckpt").symlink_to("runs/r1")
+    r = bw("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    assert r.returncode == 2, r.stderr
+    assert "symlink" in r.stderr and "runs/r1" in r.stderr
+    for name in ("MANIFEST.json", ".bw-parts", "PULL_VERIFIED.json"):
+        r = bw("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "a", "--watch", name)
+        assert r.returncode == 2 and "reserved" in r.stderr, (name, r.stderr)
+    assert not bw.sidecar_pids()
+    bw.up(NAME, watch="runs/r1")  # the real directory is fine
+
+
+def test_a_durable_dir_reached_through_a_bind_mount_of_the_watched_dir_is_refused(bw: Bw) -> None:
+    """Review 2, finding 7: the overlap check compared paths, and a bind mount is another path to
+    the same directory: the sidecar then sealed and copied its own copies, deeper and deeper."""
+    (bw.cwd / "ckpt").mkdir()
+    alias = bw.cwd.parent / f"{bw.cwd.name}-alias"
+    alias.mkdir()
+    subprocess.run(["mount", "--bind", str(bw.cwd), str(alias)], check=True)
+    try:
+        durable = alias / "ckpt" / "dur"
+        r = bw("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt",
+               "--durable", durable.as_uri())  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        assert "overlaps" in r.stderr
+        assert not (bw.cwd / "ckpt" / "dur").exists()
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)

@@ -109,7 +109,7 @@ class Daemon:
         except AssertionError as e:
             listing = self.listing()
             raise AssertionError(
-                f"{e}\nclaims: {[(c.path, c.durable) for c in listing.claims]}\n"
+                f"{e}\nclaims: {[(c.path, c.durable, c.push_error) for c in listing.claims]}\n"
                 f"pending: {[(p.path, p.state, p.detail) for p in listing.pending]}\n"
                 f"sidecar log (tail):\n{(self.root / 'sidecar.log').read_text()[-6000:]}"
             ) from None

@@ -365,3 +365,59 @@ def test_release_keeps_a_file_someone_holds_open_for_writing_and_puts_it_back(tm
     assert f.read_bytes() == b"claimed bytes" and not aside.exists()
     why, _ = _delete_verified(f, aside, claim)  # nobody writes it now: deleted
     assert why == "" and not f.exists() and not aside.exists()
+
+
+def test_an_interrupted_release_is_put_back_at_start_and_strangers_are_left_alone(
+    tmp_path: Path, sock_dir: Path
+) -> None:
+    """Review 2, finding 5: a `.bw-release.N` in a watched dir crashed the sidecar at start (the
+    ledger was read from a worker thread), so a box whose release was killed could never come
+    back. Now its own asides go back; a file that only looks like one stays, and is reported."""
+    d = make_daemon(tmp_path, sock_dir)
+    d.start()
+    try:
+        (d.watch / "best.pt").write_bytes(b"claimed bytes")
+        (d.watch / "other.pt").write_bytes(b"other bytes")
+        claims = {c.path: c for c in d.wait_durable(2)}
+        ids = {c.path: c.seq for c in claims.values()}
+        d.kill(9)
+        ledger = sqlite3.connect(d.root / "state" / "ledger.sqlite")
+        claim_id = {p: i for p, i in ledger.execute("SELECT path, id FROM claims WHERE current = 1")}
+        ledger.close()
+        # What a release killed between its rename and its unlink leaves behind ...
+        os.rename(d.watch / "best.pt", d.watch / f".bw-release.{claim_id['best.pt']}")
+        # ... an aside whose bytes are not its claim's, and a stranger's file named like one.
+        os.rename(d.watch / "other.pt", d.watch / f".bw-release.{claim_id['other.pt']}")
+        (d.watch / f".bw-release.{claim_id['other.pt']}").write_bytes(b"rewritten")
+        (d.watch / ".bw-release.999").write_bytes(b"a user's own file")
+        d.start()
+        assert (d.watch / "best.pt").read_bytes() == b"claimed bytes"
+        assert not (d.watch / f".bw-release.{claim_id['best.pt']}").exists()
+        assert (d.watch / f".bw-release.{claim_id['other.pt']}").read_bytes() == b"rewritten"
+        assert (d.watch / ".bw-release.999").read_bytes() == b"a user's own file"
+        pending = {p.path: p.state for p in d.listing().pending}
+        assert pending[".bw-release.999"] == pb.PENDING_TEMP
+        assert pending[f".bw-release.{claim_id['other.pt']}"] == pb.PENDING_TEMP
+        best = next(c for c in d.claims() if c.path == "best.pt")
+        assert best.seq == ids["best.pt"]  # the same claim, not a new one
+    finally:
+        d.kill()
+
+
+def test_a_mount_inside_a_watched_dir_is_reported_not_looked_through(tmp_path: Path) -> None:
+    """Review 2, finding 8: a filesystem mounted over a claimed directory hid the claimed file; its
+    claim ended as "deleted" and `down` allowed while the bytes were still on the box, under it."""
+    with running(tmp_path) as d:
+        sub = d.watch / "sub2"
+        sub.mkdir()
+        (sub / "hidden.bin").write_bytes(b"under the mount")
+        d.wait_durable(1)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(sub)], check=True)
+        try:
+            pending = wait_until(
+                lambda: {p.path: p for p in d.listing().pending}.get("sub2"), what="the mount point named"
+            )
+            assert pending.state == pb.PENDING_UNCLAIMABLE and "mount point" in pending.detail
+        finally:
+            subprocess.run(["umount", str(sub)], check=True)
+        assert not any(p.path == "sub2" for p in d.listing().pending)

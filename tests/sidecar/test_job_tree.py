@@ -56,6 +56,9 @@ WRITER = textwrap.dedent("""
     if os.fork() == 0:
         os.setsid()
         if os.fork() == 0:
+            if mode == "escape-untagged":  # no tag, not in the job's dir: `cd / && env -i setsid ...`
+                os.chdir("/")
+                os.execve(sys.executable, [sys.executable, sys.argv[0], pid_file, out, stop, "plain"], {})
             write_until_stopped()
         os._exit(0)
     os.wait()
@@ -186,6 +189,32 @@ def test_an_escapee_is_found_again_after_a_sidecar_sigkill(
         done = wait_job(d, job.id, "the job to end", lambda j: j.state != pb.JOB_STATE_RUNNING)
         # The first sidecar recorded the leader's status before it was killed.
         assert (done.state, done.exit_code) == (pb.JOB_STATE_EXITED, 0)
+    finally:
+        d.kill(signal.SIGTERM)
+
+
+def test_an_untagged_escapee_is_found_again_after_a_sidecar_sigkill(
+    tmp_path: Path, sock_dir: Path, procs: Procs
+) -> None:
+    """Review 2, finding 2: an orphan that cleared its environment belonged to the job only while
+    the sidecar was its parent; after a SIGKILL and restart it was init's child, and the job was
+    "exited" while the orphan still wrote. The job record now keeps the orphans it was given."""
+    argv, pid_file, _, stop = procs.writer("untagged", "escape-untagged")
+    d = make_daemon(tmp_path, sock_dir)
+    d.start()
+    try:
+        job = start(d, argv)
+        escapee = procs.wait_pid(pid_file)
+        assert Path(f"/proc/{escapee}/cwd").resolve() == Path("/")
+        wait_job(d, job.id, "the orphan to be given to the job", running_without_leader(escapee))
+        d.kill(signal.SIGKILL)
+        assert pid_alive(escapee)  # init's child now, with no tag and no session of the job's
+        d.start()
+        again = listed(d, job.id)
+        assert again.state == pb.JOB_STATE_RUNNING and list(again.live_pids) == [escapee]
+        stop.touch()
+        done = wait_job(d, job.id, "the job to end", lambda j: j.state != pb.JOB_STATE_RUNNING)
+        assert done.state == pb.JOB_STATE_EXITED
     finally:
         d.kill(signal.SIGTERM)
 

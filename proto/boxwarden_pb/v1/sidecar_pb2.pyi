@@ -984,32 +984,79 @@ Global___StopJobResponse: _TypeAlias = StopJobResponse  # noqa: Y015
 class ListJobsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    CALLER_PIDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def caller_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The caller's own process first, then its ancestors, in the sidecar's PID namespace; sent only
+        when the caller runs on the box itself (a local box). The first and its descendants, and the
+        others exactly, are never strays: the controller's own shell may stand in the workdir.
+        """
+
     def __init__(
         self,
+        *,
+        caller_pids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_pids", b"caller_pids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListJobsRequest: _TypeAlias = ListJobsRequest  # noqa: Y015
 
 @_typing.final
+class Stray(_message.Message):
+    """A process outside every job's tree that works in the workdir or a watched dir and started after
+    the first job did: it may be writing for a job that left boxwarden's sight (a session in an
+    already-running tmux server, `at`, an orphan after a sidecar restart). The gate refuses on it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    STARTED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    command: _builtins.str
+    cwd: _builtins.str
+    started_at_unix_ns: _builtins.int
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        command: _builtins.str = ...,
+        cwd: _builtins.str = ...,
+        started_at_unix_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "cwd", b"cwd", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Stray: _TypeAlias = Stray  # noqa: Y015
+
+@_typing.final
 class ListJobsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOBS_FIELD_NUMBER: _builtins.int
+    STRAYS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Job]: ...
+    @_builtins.property
+    def strays(self) -> _containers.RepeatedCompositeFieldContainer[Global___Stray]: ...
     def __init__(
         self,
         *,
         jobs: _abc.Iterable[Global___Job] | None = ...,
+        strays: _abc.Iterable[Global___Stray] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "strays", b"strays"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1070,16 +1117,22 @@ class ReleaseArtifactsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
+    CALLER_PIDS_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
     """Must equal the current manifest digest."""
+    @_builtins.property
+    def caller_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As in ListJobsRequest."""
+
     def __init__(
         self,
         *,
         manifest_digest: _builtins.str = ...,
+        caller_pids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_pids", b"caller_pids", "manifest_digest", b"manifest_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
