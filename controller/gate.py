@@ -60,6 +60,7 @@ class Evidence:
     exclude_patterns: list[str] = field(default_factory=list)
     jobs: list[pb.Job] = field(default_factory=list)
     strays: list[pb.Stray] = field(default_factory=list)
+    watch_dirs: list[str] = field(default_factory=list)
     verify: VerifyReport | None = None
     marker_digest: str = ""
     allow_empty: bool = False
@@ -121,6 +122,7 @@ async def gather(
             ev.exclude_patterns = list(hello.exclude_patterns)
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
             ev.strays = list(jobs.strays)
+            ev.watch_dirs = list(hello.watch_dirs)
     if pulled_dir is None:
         reasons.append(
             Reason("NOT_PULLED", detail=f"nothing pulled yet: run `boxwarden pull {box.name} --to DIR`")
@@ -237,7 +239,14 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
                 Reason(PENDING_CODES.get(p.state, "UNSEALED_WRITES"), path=p.path, detail=p.detail)
             )
         shown = ", ".join(p.path for p in ev.pending[:5]) + (" …" if len(ev.pending) > 5 else "")
-        checks.append(Check("every watched file claimed", not ev.pending, shown or "yes"))
+        where = ", ".join(ev.watch_dirs)
+        checks.append(
+            Check(
+                "every watched file claimed",
+                not ev.pending,
+                shown or (f"yes, in {where}" if where else "yes"),
+            )
+        )
         excluded = (
             f"{ev.excluded_files} files excluded by {', '.join(ev.exclude_patterns)} (given at up)"
             if ev.exclude_patterns
