@@ -10,8 +10,14 @@ filesystem), opened relative to directory fds and never through a symlink; an in
 resumes from the part file's size (the bytes already there are hashed first). It is renamed into
 place only when its size and blake3 equal the claim; a mismatch after a resumed transfer is fetched
 again once from offset 0. A file already present with the claim's size and digest is skipped.
-Nothing local is ever deleted except our own part files: a stale file from an older pull stays and
-`verify` reports it EXTRA.
+
+A pull never replaces bytes it cannot account for. Before anything is written it refuses a tree
+whose MANIFEST.json (or interrupted pull's record) belongs to another box or run, and a file at a
+claim's path whose bytes are neither the claim's nor ones an earlier pull of this box and run put
+there (recorded in its MANIFEST.json, or in `PARTS_DIR/placing.json`, written before a pull puts its
+first file in place and removed once MANIFEST.json records the tree). Nothing local is ever deleted
+except what lies in PARTS_DIR once every claim is in place: a file the box no longer claims stays
+and `verify` reports it EXTRA.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ import contextlib
 import errno
 import logging
 import os
-import re
+import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,13 +36,19 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.client import SidecarClient
 from controller.digest import StreamHasher, digest_file, path_key
-from controller.errors import SidecarUnreachable, TransferError, UsageError
+from controller.errors import SidecarUnreachable, StateError, TransferError, UsageError
 from controller.manifest import (
+    MANIFEST_NAME,
     PARTS_DIR,
     RESERVED_NAMES,
     Manifest,
     ManifestFile,
+    atomic_write_json,
+    is_digest,
+    load_json_object,
     lock_tree,
+    path_problem,
+    read_manifest,
     utc_iso_from_unix_ns,
     write_manifest,
 )
@@ -47,9 +59,14 @@ logger = logging.getLogger(__name__)
 LEGACY_PART_SUFFIX = ".bw-part"  # where older versions kept a partial file: picked up to resume
 ATTEMPTS = 3
 Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
+Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
+
+PLACING_NAME = "placing.json"
+"""In PARTS_DIR: the claims a pull is about to put in place, with its box and run."""
+PLACING_SCHEMA = "boxwarden.placing/1"
+SHOWN = 5  # paths named in a message before "and N more"
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PART_NAME = re.compile(r"[0-9a-f]{32}\.part")
 _PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -59,7 +76,9 @@ class PullReport:
     manifest: Manifest
     fetched: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    bytes_fetched: int = 0
+    bytes_fetched: int = 0  # received and kept: the fetched files' bytes not resumed from before
+    bytes_discarded: int = 0  # received, then thrown away when a resumed copy did not match
+    parts_removed: int = 0  # leftovers in PARTS_DIR that no claim needed any more
     extra_local: list[str] = field(default_factory=list)
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
     restarted: list[str] = field(default_factory=list)  # resumed, mismatched, fetched again from 0
@@ -72,6 +91,8 @@ class PullReport:
             "fetched": self.fetched,
             "skipped": self.skipped,
             "bytes_fetched": self.bytes_fetched,
+            "bytes_discarded": self.bytes_discarded,
+            "parts_removed": self.parts_removed,
             "extra_local": self.extra_local,
             "resumed": self.resumed,
             "restarted": self.restarted,
@@ -90,8 +111,9 @@ async def pull(
 ) -> PullReport:
     """Pull every current claim into `root`. `hello`: the box's Hello answer (asked here if None).
 
-    UsageError (nothing written) for a tree that overlaps the box's directories or cannot live at
-    `root`; TransferError for a claim that cannot be written or did not arrive intact.
+    UsageError (nothing written) for a tree that overlaps the box's directories, cannot live at
+    `root`, belongs to another box or run, or holds bytes at a claim's path that no pull of this box
+    put there; TransferError for a claim that cannot be written or did not arrive intact.
     """
     if hello is None:
         hello = await client.hello()
@@ -136,14 +158,19 @@ async def _pull_locked(
     progress: Progress | None,
 ) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
+    placing = _placing(root, manifest)
+    present = _survey(root, claims, manifest, _recorded(root, manifest) | placing)
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
+        todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
+        if todo:
+            _write_placing(root, manifest, placing | todo)
         for claim in claims:
             *dirs, name = claim.path.split("/")
             parent_fd = _open_parent(root, root_fd, dirs)
             try:
-                if _present(parent_fd, name, claim):
+                if claim.path in present:
                     report.skipped.append(claim.path)
                     if progress:
                         progress(claim.path, claim.size, claim.size)
@@ -161,9 +188,9 @@ async def _pull_locked(
                 report.fetched.append(claim.path)
             finally:
                 os.close(parent_fd)
-        _clear_parts(parts_fd)
         report.extra_local = _extra_local(root, claim_paths)
         write_manifest(root, manifest)
+        report.parts_removed = _clear_parts(parts_fd)
     finally:
         os.close(parts_fd)
         with contextlib.suppress(OSError):  # not empty: an interrupted pull left parts to resume from
@@ -242,18 +269,126 @@ def _open_parent(root: Path, root_fd: int, dirs: list[str]) -> int:
     return fd
 
 
-def _present(parent_fd: int, name: str, claim: pb.Claim) -> bool:
-    """The claim's file is already here with its size and digest."""
+def name_some(paths: Sequence[str], shown: int = SHOWN) -> str:
+    """The first `shown` of `paths`, then how many more there are."""
+    head = ", ".join(paths[:shown])
+    return f"{head} and {len(paths) - shown} more" if len(paths) > shown else head
+
+
+def _recorded(root: Path, manifest: Manifest) -> set[Entry]:
+    """The files the tree's MANIFEST.json records, if an earlier pull of this box and run wrote it.
+    UsageError if it is another's, or cannot be read (then what it may stand for is unknown)."""
+    where = root / MANIFEST_NAME
+    if not os.path.lexists(where):
+        return set()
     try:
-        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != claim.size:
-            return False
-        return digest_file(name, dir_fd=parent_fd).blake3 == claim.blake3
-    except FileNotFoundError:
-        return False
+        earlier = read_manifest(where)
+    except StateError as exc:
+        raise UsageError(
+            f"refusing to pull: {exc}; pull cannot tell which files here it may replace: "
+            f"pull into an empty or new directory (--to), or move {MANIFEST_NAME} away"
+        ) from exc
+    _check_same_box(root, "the tree pulled from", earlier.instance, earlier.run_id, manifest)
+    return {(f.path, f.bytes, f.blake3) for f in earlier.files}
+
+
+def _placing(root: Path, manifest: Manifest) -> set[Entry]:
+    """The files an interrupted pull of this box and run was putting in place. UsageError if that
+    pull was another box's; an unreadable record is ignored (then its files count as unknown)."""
+    parts = root / PARTS_DIR
+    if not parts.is_dir() or parts.is_symlink() or not os.path.lexists(parts / PLACING_NAME):
+        return set()
+    try:
+        instance, run_id, entries = _read_placing(parts / PLACING_NAME)
+    except StateError as exc:
+        logger.warning("ignoring an unreadable record of an interrupted pull: %s", exc)
+        return set()
+    _check_same_box(root, "files an interrupted pull put there from", instance, run_id, manifest)
+    return entries
+
+
+def _read_placing(path: Path) -> tuple[str, str, set[Entry]]:
+    doc = load_json_object(path)
+    instance, run_id, files = doc.get("instance"), doc.get("run_id"), doc.get("files")
+    if doc.get("schema") != PLACING_SCHEMA or not isinstance(instance, str) or not isinstance(run_id, str):
+        raise StateError(f"{path}: not a {PLACING_SCHEMA} record")
+    if not isinstance(files, list):
+        raise StateError(f"{path}: field 'files' is not a list")
+    entries: set[Entry] = set()
+    for raw in files:
+        match raw:
+            case [str(p), int(n), str(digest)] if path_problem(p) is None and n >= 0 and is_digest(digest):
+                entries.add((p, n, digest))
+            case _:
+                raise StateError(f"{path}: field 'files' holds {raw!r}, not [path, bytes, blake3]")
+    return instance, run_id, entries
+
+
+def _write_placing(root: Path, manifest: Manifest, entries: set[Entry]) -> None:
+    """Record, before the first file is put in place, every file this pull (and any interrupted one
+    before it) may put there, so that a pull after an interruption knows those bytes."""
+    doc = {
+        "schema": PLACING_SCHEMA,
+        "instance": manifest.instance,
+        "run_id": manifest.run_id,
+        "files": [list(e) for e in sorted(entries)],
+    }
+    try:
+        atomic_write_json(root / PARTS_DIR / PLACING_NAME, doc)
     except OSError as exc:
-        logger.info("%s: the local copy could not be hashed (%s); fetching it", claim.path, exc)
-        return False
+        raise TransferError(f"{root / PARTS_DIR}: cannot record the pull: {exc.strerror or exc}") from exc
+
+
+def _check_same_box(root: Path, what: str, instance: str, run_id: str, manifest: Manifest) -> None:
+    """UsageError unless box `instance`, run `run_id` (what the tree holds `what`) is the one pulled now."""
+    if (instance, run_id) == (manifest.instance, manifest.run_id):
+        return
+    raise UsageError(
+        f"refusing to pull box {manifest.instance!r} (run {manifest.run_id}) into {root}: it holds {what} "
+        f"box {instance!r} (run {run_id}); pull into an empty or new directory (--to)"
+    )
+
+
+def _survey(root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]) -> set[str]:
+    """The paths of claims whose bytes are here already. UsageError naming the files at claims'
+    paths whose bytes are neither the claim's nor `known` (put there by an earlier pull of this box):
+    a pull never replaces those."""
+    sized = {(p, n) for p, n, _ in known}
+    present: set[str] = set()
+    foreign: list[str] = []
+    for claim in claims:
+        full = root / claim.path
+        try:
+            st = full.lstat()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise TransferError(f"{full}: cannot look at it: {exc.strerror or exc}") from exc
+        if not stat.S_ISREG(st.st_mode):
+            continue  # check_claim_paths refused anything else in a file's way
+        if st.st_size != claim.size and (claim.path, st.st_size) not in sized:
+            foreign.append(claim.path)
+            continue
+        digest = _local_digest(full)
+        if st.st_size == claim.size and digest == claim.blake3:
+            present.add(claim.path)
+        elif digest is None or (claim.path, st.st_size, digest) not in known:
+            foreign.append(claim.path)
+    if foreign:
+        raise UsageError(
+            f"refusing to pull: {len(foreign)} file(s) in {root} hold bytes that no pull of box "
+            f"{manifest.instance!r} put there, where the box has files: {name_some(sorted(foreign))}; "
+            "pull never replaces them: move them away, or pull into an empty or new directory (--to)"
+        )
+    return present
+
+
+def _local_digest(path: Path) -> str | None:
+    try:
+        return digest_file(path).blake3
+    except OSError as exc:
+        logger.info("%s: could not be hashed (%s)", path, exc)
+        return None
 
 
 def _part_name(claim: pb.Claim) -> str:
@@ -284,13 +419,15 @@ def _adopt_legacy_part(
 async def _fetch(
     client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
 ) -> int:
-    """Fetch the claim into its part file (resuming); returns the bytes received."""
-    fetched = 0
+    """Fetch the claim into its part file (resuming); returns the bytes received that the file keeps."""
+    start = _part_size(parts_fd, claim)
+    if start:
+        report.resumed[claim.path] = start
     breaks = 0
     restarted = False
     while True:
         try:
-            received, offset, total, digest = await _fetch_once(client, claim, parts_fd, progress, report)
+            offset, total, digest = await _fetch_once(client, claim, parts_fd, progress)
         except SidecarUnreachable as e:
             breaks += 1
             if breaks >= ATTEMPTS:
@@ -299,13 +436,14 @@ async def _fetch(
                 ) from e
             logger.warning("%s: stream broke (%s), resuming", claim.path, e)
             continue
-        fetched += received
         if total == claim.size and digest == claim.blake3:
-            return fetched
+            return total - start
         if offset and not restarted:
             # The bytes kept from before may be what is wrong: fetch the whole file once more.
             logger.warning("%s: resumed copy hashed %s…, fetching it again from 0", claim.path, digest[:12])
             report.restarted.append(claim.path)
+            report.bytes_discarded += total - start
+            start = 0
             restarted = True
             _truncate_part(parts_fd, claim)
             continue
@@ -315,6 +453,15 @@ async def _fetch(
             f"{claim.path}: received {total} bytes hashing {digest[:12]}…, the claim is {claim.size} bytes "
             f"{claim.blake3[:12]}…; the partial copy was removed, run pull again"
         )
+
+
+def _part_size(parts_fd: int, claim: pb.Claim) -> int:
+    """The bytes a transfer of the claim will resume from (its part file's size, 0 if it has none)."""
+    try:
+        st = os.stat(_part_name(claim), dir_fd=parts_fd, follow_symlinks=False)
+    except OSError:
+        return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_size <= claim.size else 0
 
 
 def _open_part(parts_fd: int, claim: pb.Claim) -> int:
@@ -348,9 +495,9 @@ def _truncate_part(parts_fd: int, claim: pb.Claim) -> None:
 
 
 async def _fetch_once(
-    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
-) -> tuple[int, int, int, str]:
-    """One transfer into the part file; returns (bytes received, offset resumed from, total, digest)."""
+    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None
+) -> tuple[int, int, str]:
+    """One transfer into the part file; returns (offset resumed from, total, digest)."""
     fd = _open_part(parts_fd, claim)
     try:
         offset = os.fstat(fd).st_size
@@ -363,8 +510,6 @@ async def _fetch_once(
             hasher.update(chunk)
         if hasher.bytes_seen != offset:
             raise TransferError(f"the partial copy of {claim.path} changed while being resumed")
-        if offset:
-            report.resumed[claim.path] = offset
         received = 0
         try:
             async for msg in client.read_artifact(claim.path, offset, claim.blake3):
@@ -377,7 +522,7 @@ async def _fetch_once(
                     progress(claim.path, offset + received, claim.size)
         finally:
             os.fsync(fd)
-        return received, offset, offset + received, hasher.hexdigest()
+        return offset, offset + received, hasher.hexdigest()
     except OSError as exc:
         raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
     finally:
@@ -390,13 +535,21 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         data, offset = data[n:], offset + n
 
 
-def _clear_parts(parts_fd: int) -> None:
-    """Every claim is in place: part files left from claims that are gone are of no more use."""
+def _clear_parts(parts_fd: int) -> int:
+    """Every claim is in place and recorded: nothing in PARTS_DIR will be resumed. Empty it; returns
+    how many leftovers (entries other than this pull's own record) went."""
+    removed = 0
     for name in os.listdir(parts_fd):
-        if _PART_NAME.fullmatch(name):
-            with contextlib.suppress(OSError):
-                if stat.S_ISREG(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
-                    os.unlink(name, dir_fd=parts_fd)
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
+                shutil.rmtree(name, dir_fd=parts_fd)
+            else:
+                os.unlink(name, dir_fd=parts_fd)
+        except OSError as exc:
+            logger.warning("%s/%s: cannot remove it: %s", PARTS_DIR, name, exc.strerror or exc)
+            continue
+        removed += name != PLACING_NAME
+    return removed
 
 
 def _extra_local(root: Path, wanted: set[str]) -> list[str]:

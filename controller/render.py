@@ -182,14 +182,26 @@ def transfer_progress() -> Iterator[Callable[[str, int, int], None]]:
 
 
 def pull_report(rep: PullReport) -> None:
-    info(
+    line = (
         f"pulled into {esc(str(rep.root))}: {len(rep.fetched)} fetched ({human_bytes(rep.bytes_fetched)}), "
         f"{len(rep.skipped)} already present; manifest {rep.manifest.digest[:16]}…"
     )
+    if rep.bytes_discarded:
+        line += (
+            f"; {human_bytes(rep.bytes_discarded)} more received and discarded "
+            "(a resumed copy did not match, so it was fetched again from the start)"
+        )
+    if rep.parts_removed:
+        n = rep.parts_removed
+        line += f"; removed {n} leftover partial cop{'y' if n == 1 else 'ies'} that no claim needs"
+    info(line)
     if rep.extra_local:
+        shown = ", ".join(esc(p) for p in rep.extra_local[:20])
+        more = f" and {len(rep.extra_local) - 20} more" if len(rep.extra_local) > 20 else ""
         warn(
-            "files here that the box no longer claims (verify reports them EXTRA; move them away if stale): "
-            + ", ".join(rep.extra_local)
+            f"kept {len(rep.extra_local)} file(s) here that the box does not claim now (verify reports them "
+            "EXTRA): the box may have released them after a verified pull (their durable copies remain), or "
+            f"they were deleted on the box: {shown}{more}"
         )
 
 

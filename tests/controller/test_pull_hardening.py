@@ -14,7 +14,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.digest import path_key
 from controller.overlap import destination_problem, overlap_problem
-from tests.conftest import Bw, save_ckpt
+from tests.conftest import Bw, save_ckpt, wait_until
 
 
 def files_under(root: Path) -> dict[str, bytes]:
@@ -224,3 +224,168 @@ def test_two_watched_dirs_pull_and_verify_by_the_cell_after_the_prefix(bw: Bw) -
     assert sorted(f["path"] for f in manifest["files"]) == ["ckpt/cell-a/best.pt", "logs/cell-a/x.log"]
     doc = bw.json("verify", str(pulled))
     assert doc["ok"] is True, doc["reasons"]
+
+
+# --- bytes pull cannot account for -------------------------------------------------------------------
+
+
+def test_pull_refuses_a_tree_pulled_from_another_box(bw: Bw) -> None:
+    pa = one_claim(bw)
+    pulled = bw.cwd / "shared"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    pb2 = bw.up("b2", watch="ckpt2")
+    save_ckpt(pb2["watch"] / "cell-a" / "best.pt", seed=99, size=100_000)  # same path, other bytes
+    save_ckpt(pb2["watch"] / "cell-c" / "new.pt", seed=98, size=1000)  # a path free in the tree
+    bw.wait_durable("b2", 2)
+    before = files_under(pulled)
+    r = bw("pull", "b2", "--to", str(pulled))
+    assert r.returncode == 2, r.stderr
+    assert "'b1'" in r.stderr and "empty or new directory" in r.stderr
+    assert files_under(pulled) == before, "nothing is written into another box's tree"
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == (pa["watch"] / "cell-a" / "best.pt").read_bytes()
+    bw.ok("verify", str(pulled))
+
+
+def test_pull_never_replaces_a_file_no_pull_of_this_box_wrote(bw: Bw) -> None:
+    p = bw.up("b1")
+    for i in range(7):
+        save_ckpt(p["watch"] / f"cell-{i}" / "a.bin", seed=i, size=1000)
+    bw.wait_durable("b1", 7)
+    pulled = bw.cwd / "pulled"
+    for i in range(7):
+        (pulled / f"cell-{i}").mkdir(parents=True)
+        (pulled / f"cell-{i}" / "a.bin").write_text("y")
+    before = files_under(pulled)
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 2, r.stderr
+    assert "cell-0/a.bin" in r.stderr and "7" in r.stderr and "cell-6/a.bin" not in r.stderr
+    assert files_under(pulled) == before and not (pulled / ".bw-parts").exists()
+
+
+def test_a_user_file_beside_this_box_s_tree_is_not_replaced(bw: Bw) -> None:
+    p = one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=8, size=1000)
+    bw.wait_durable("b1", 2)
+    (pulled / "cell-b").mkdir()
+    (pulled / "cell-b" / "best.pt").write_text("y")  # not recorded in this box's manifest here
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 2, r.stderr
+    assert "cell-b/best.pt" in r.stderr and "cell-a/best.pt" not in r.stderr
+    assert (pulled / "cell-b" / "best.pt").read_text() == "y"
+
+
+def _wait_new_claim(bw: Bw, path: str, old: str) -> None:
+    def changed() -> bool:
+        claims = bw.artifacts("b1")["claims"]
+        return any(c["path"] == path and c["blake3"] != old and c.get("durable") for c in claims)
+
+    wait_until(changed, what=f"a new durable claim of {path}")
+
+
+def _blake3_of(bw: Bw, path: str) -> str:
+    (claim,) = [c for c in bw.artifacts("b1")["claims"] if c["path"] == path]
+    return str(claim["blake3"])
+
+
+def test_a_file_placed_by_an_interrupted_pull_of_this_box_is_replaced(bw: Bw, tmp_path: Path) -> None:
+    p = bw.up("b1")
+    a, b = p["watch"] / "cell-a" / "best.pt", p["watch"] / "cell-b" / "best.pt"
+    save_ckpt(a, seed=1, size=1000)
+    save_ckpt(b, seed=2, size=1000)
+    bw.wait_durable("b1", 2)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    old_a, old_b = _blake3_of(bw, "cell-a/best.pt"), _blake3_of(bw, "cell-b/best.pt")
+    save_ckpt(a, seed=11, size=2000)
+    save_ckpt(b, seed=12, size=2000)
+    _wait_new_claim(bw, "cell-a/best.pt", old_a)
+    _wait_new_claim(bw, "cell-b/best.pt", old_b)
+    # A part file for cell-b that is not a plain file of ours stops the pull after cell-a is placed.
+    parts = pulled / ".bw-parts"
+    parts.mkdir(mode=0o700)
+    (tmp_path / "elsewhere").write_bytes(b"x")
+    blocker = parts / f"{path_key('cell-b/best.pt')}.part"
+    os.link(tmp_path / "elsewhere", blocker)
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 1 and "not a plain file of ours" in r.stderr, r.stderr
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == a.read_bytes(), "placed before the failure"
+    blocker.unlink()
+    mid_a = _blake3_of(bw, "cell-a/best.pt")
+    save_ckpt(a, seed=21, size=3000)  # the file the interrupted pull placed is now an older claim
+    _wait_new_claim(bw, "cell-a/best.pt", mid_a)
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert sorted(rep["fetched"]) == ["cell-a/best.pt", "cell-b/best.pt"]
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == a.read_bytes()
+    assert not parts.exists()
+    bw.ok("verify", str(pulled))
+
+
+def test_a_changed_claim_replaces_this_box_s_earlier_copy(bw: Bw) -> None:
+    p = one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    old = _blake3_of(bw, "cell-a/best.pt")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=4, size=100_000)
+    _wait_new_claim(bw, "cell-a/best.pt", old)
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["fetched"] == ["cell-a/best.pt"]
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    bw.ok("verify", str(pulled))
+
+
+def test_a_local_edit_of_a_pulled_file_is_not_replaced(bw: Bw) -> None:
+    p = one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    old = _blake3_of(bw, "cell-a/best.pt")
+    (pulled / "cell-a" / "best.pt").write_bytes(b"edited here")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=4, size=100_000)
+    _wait_new_claim(bw, "cell-a/best.pt", old)
+    r = bw("pull", "b1", "--to", str(pulled))
+    assert r.returncode == 2 and "cell-a/best.pt" in r.stderr, r.stderr
+    assert (pulled / "cell-a" / "best.pt").read_bytes() == b"edited here"
+
+
+def test_files_the_box_no_longer_claims_are_kept_and_not_called_stale(bw: Bw) -> None:
+    p = bw.up("b1")
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1, size=1000)
+    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=2, size=1000)
+    bw.wait_durable("b1", 2)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    (p["watch"] / "cell-b" / "best.pt").unlink()
+    bw.wait_durable("b1", 1)
+    r = bw.ok("pull", "b1", "--to", str(pulled))
+    assert "cell-b/best.pt" in r.stderr and "stale" not in r.stderr and "move them" not in r.stderr
+    assert "released" in r.stderr and "durable copies remain" in r.stderr and "kept" in r.stderr
+    assert (pulled / "cell-b" / "best.pt").exists()
+
+
+def test_leftover_parts_no_claim_needs_are_removed(bw: Bw) -> None:
+    one_claim(bw)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "b1", "--to", str(pulled))
+    parts = pulled / ".bw-parts"
+    parts.mkdir(mode=0o700)
+    (parts / "x.part").write_bytes(b"half")
+    (parts / f"{path_key('cell-z/gone.pt')}.part").write_bytes(b"half")
+    assert bw.json("verify", str(pulled), code=3)["ok"] is False
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert not parts.exists()
+    bw.ok("verify", str(pulled))
+    assert rep["fetched"] == [] and rep["parts_removed"] == 2
+
+
+def test_a_restarted_transfer_counts_the_final_bytes_once(bw: Bw) -> None:
+    p = one_claim(bw)
+    size = (p["watch"] / "cell-a" / "best.pt").stat().st_size
+    pulled = bw.cwd / "pulled"
+    parts = pulled / ".bw-parts"
+    parts.mkdir(parents=True, mode=0o700)
+    (parts / f"{path_key('cell-a/best.pt')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
+    rep = bw.json("pull", "b1", "--to", str(pulled))
+    assert rep["restarted"] == ["cell-a/best.pt"]
+    assert rep["bytes_fetched"] == size and rep["bytes_discarded"] == size - 1000
