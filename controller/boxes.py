@@ -430,12 +430,6 @@ async def down(
         return await teardown.teardown(state, box, c, verdict, profile, manual_done)
 
 
-async def retry_meter(
-    state: State, box: Box, manual_done: Callable[[str], Awaitable[bool]]
-) -> teardown.TeardownResult:
-    return await teardown.retry_meter(state, box, box_profile(box), manual_done)
-
-
 async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:
     async with connect(box) as c:
         try:

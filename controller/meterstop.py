@@ -3,10 +3,12 @@
 A provider's "deleted" answer is not proof (RunPod and vast.ai answer before the instance is gone),
 and neither is its silence: "gone" is reported only when the poll command ran and showed it gone.
 The poll runs whatever the stop command answered (an "already deleted" error is common on a retry),
-and a retry polls first, sending the stop command again only if the instance is still there. A poll
-that could not run, or was killed, never counts. A manual verb prints the exact console steps and
-needs the user to say they did them. Commands are argv lists filled from validated values before
-anything is released; no shell ever sees them.
+and a retry polls first: gone is recorded without sending anything; a box still there gets the stop
+again only when the caller says so (`send`: after a gate passed, or the user's explicit word). A
+poll that could not run, or was killed, never counts. `before_send` records the step before the stop
+command runs (or the manual steps are shown), so that a controller killed meanwhile leaves a trace.
+A manual verb prints the exact console steps and needs the user to say they did them. Commands are
+argv lists filled from validated values before anything is released; no shell ever sees them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class MeterResult:
     last_poll: str = ""
     waited_s: float = 0.0
     manual_confirmed: bool = False
+    sent: bool = False  # this run sent the stop command (or showed the manual steps)
     detail: str = ""
     note: str = ""
 
@@ -130,6 +133,8 @@ async def stop_meter(
     *,
     manual_done: Callable[[str], Awaitable[bool]],
     retry: bool = False,
+    send: bool = True,
+    before_send: Callable[[str], None] = lambda what: None,
     run: Callable[[list[str]], Awaitable[Ran]] = run_argv,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
@@ -141,6 +146,8 @@ async def stop_meter(
         result.detail = "nothing bills on this platform; the sidecar is stopped"
         return result
     if ms.mode == "manual":
+        before_send("console steps shown")
+        result.sent = True
         result.manual_confirmed = await manual_done(ms.manual)
         result.detail = "the user confirmed the console steps" if result.manual_confirmed else "not confirmed"
         return result
@@ -159,6 +166,13 @@ async def stop_meter(
         result.gone = True
         result.detail = f"gone: {' '.join(cmds.poll)} showed it (nothing sent again)"
         return result
+    if retry and not send:
+        result.detail = (
+            f"still there: {' '.join(cmds.poll)} said {result.last_poll!r}; the stop was not sent again"
+        )
+        return result
+    before_send(" ".join(cmds.stop))
+    result.sent = True
     ran = await run(cmds.stop)
     result.exit_code = ran.code if ran.ran else None
     result.output = (ran.stdout + ran.stderr)[-OUTPUT_TAIL:]

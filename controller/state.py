@@ -1,6 +1,8 @@
 """The controller's own state: one SQLite database under $BOXWARDEN_HOME (default: the XDG state dir).
 
-It remembers each box (how to reach its sidecar, what it watches, its roster, where it was pulled)
+It remembers each box (how to reach its sidecar, what it watches, its roster, where it was pulled),
+the steps of a teardown that has not finished (each recorded before it is taken, so that a `down`
+killed at any instruction leaves a trace that `status` shows and the next `down` continues from),
 and keeps the teardown audit log; `exclusive` is the per-box lock that lets one `down` run at a
 time. It never holds claims: those live on the box and are always asked for fresh.
 """
@@ -24,7 +26,10 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS boxes(name TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at_ns INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS teardowns(
     id INTEGER PRIMARY KEY AUTOINCREMENT, box TEXT NOT NULL, at_ns INTEGER NOT NULL, record TEXT NOT NULL);
-"""
+CREATE TABLE IF NOT EXISTS teardown_steps(
+    box TEXT NOT NULL, step TEXT NOT NULL, at_ns INTEGER NOT NULL, detail TEXT NOT NULL,
+    PRIMARY KEY (box, step));
+"""  # every statement idempotent: opening a state DB of an older version adds what it lacks
 
 
 def default_home(env: Mapping[str, str]) -> Path:
@@ -71,6 +76,15 @@ class Box:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
+@dataclass(frozen=True)
+class Step:
+    """One teardown step, recorded before it was taken: its name, when, and what it was."""
+
+    name: str
+    at_ns: int
+    detail: str = ""
+
+
 class State:
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -100,10 +114,14 @@ class State:
 
     def put(self, box: Box) -> None:
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO boxes(name, record, updated_at_ns) VALUES (?,?,?)",
-                (box.name, json.dumps(box.to_json()), time.time_ns()),
-            )
+            self._put(db, box)
+
+    @staticmethod
+    def _put(db: sqlite3.Connection, box: Box) -> None:
+        db.execute(
+            "INSERT OR REPLACE INTO boxes(name, record, updated_at_ns) VALUES (?,?,?)",
+            (box.name, json.dumps(box.to_json()), time.time_ns()),
+        )
 
     def get(self, name: str) -> Box:
         row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
@@ -131,6 +149,44 @@ class State:
             )
             assert cur.lastrowid is not None
             return cur.lastrowid
+
+    def last_audit_ns(self, box: str) -> int:
+        """When the box's last teardown record was written (0: never)."""
+        row = self._db.execute("SELECT MAX(at_ns) FROM teardowns WHERE box = ?", (box,)).fetchone()
+        return int(row[0] or 0)
+
+    def teardown_steps(self, box: str) -> dict[str, Step]:
+        """The recorded steps of the box's unfinished teardown (empty: none)."""
+        rows = self._db.execute(
+            "SELECT step, at_ns, detail FROM teardown_steps WHERE box = ? ORDER BY at_ns", (box,)
+        ).fetchall()
+        return {r[0]: Step(r[0], int(r[1]), r[2]) for r in rows}
+
+    def step(self, box: Box, step: str, detail: str) -> None:
+        """Record, before it is taken, that a teardown step of `box` is about to be taken, together
+        with the box's record (its status) in one transaction."""
+        with self._tx() as db:
+            self._put(db, box)
+            db.execute(
+                "INSERT OR REPLACE INTO teardown_steps(box, step, at_ns, detail) VALUES (?,?,?,?)",
+                (box.name, step, time.time_ns(), detail),
+            )
+
+    def step_detail(self, box: str, step: str, detail: str) -> None:
+        """Add what a step did once it answered (its time stays when it was taken)."""
+        with self._tx() as db:
+            db.execute("UPDATE teardown_steps SET detail = ? WHERE box = ? AND step = ?", (detail, box, step))
+
+    def set_teardown(self, box: Box, steps: Mapping[str, Step]) -> None:
+        """Put back the box's record and exactly `steps` (a teardown that stopped before it changed
+        anything irreversible; empty `steps`: none unfinished), in one transaction."""
+        with self._tx() as db:
+            self._put(db, box)
+            db.execute("DELETE FROM teardown_steps WHERE box = ?", (box.name,))
+            db.executemany(
+                "INSERT INTO teardown_steps(box, step, at_ns, detail) VALUES (?,?,?,?)",
+                [(box.name, s.name, s.at_ns, s.detail) for s in steps.values()],
+            )
 
 
 @contextmanager

@@ -6,24 +6,143 @@ sidecar, and reports "gone" only after the process is gone and its socket no lon
 release refused, kept a file, or found anything new or running afterwards, the teardown stops THERE
 (exit 3, the reasons listed): the sidecar keeps watching and the meter is not touched. Every
 teardown is appended to the audit log.
+
+Each step (release, sidecar stop, meter stop) is recorded in the controller state BEFORE it is
+taken. `unfinished` is the one place that reads those records back: a teardown that did not end
+with the meter proven stopped (a poll timeout, a Ctrl-C, a `kill -9`) is continued by the next
+`down`. If the sidecar answers again (the user ran `up`), that `down` is a normal one, through the
+whole gate. If it does not, nothing watches the box: `retry_meter` polls first and records "gone"
+only when the poll shows it; otherwise it refuses, and sends the stop again only on the user's
+explicit `--resend-stop` (audited as sent without a gate).
 """
 
 from __future__ import annotations
 
 import getpass
+import shlex
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from controller import meterstop
-from controller.bootstrap import wait_gone
+from controller.bootstrap import target, wait_gone
 from controller.client import SidecarClient
-from controller.errors import ControllerError, GateRefused, Reason
+from controller.errors import ControllerError, GateRefused, Reason, SidecarUnreachable
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
-from controller.state import Box, State
+from controller.state import Box, State, Step
+
+RELEASE, SHUTDOWN, METER_STOP = "release", "shutdown", "meter_stop"
+STEP_ORDER = (RELEASE, SHUTDOWN, METER_STOP)
+UNFINISHED_CODE = "TEARDOWN_UNFINISHED"
+
+
+def when(at_ns: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at_ns / 1e9)) if at_ns else "an unknown time"
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """An earlier teardown of the box took the recorded steps and did not end with the meter proven
+    stopped (or the user's word for a manual stop)."""
+
+    box: str
+    status: str
+    steps: Mapping[str, Step]
+
+    @property
+    def meter_stop_sent(self) -> bool:
+        return METER_STOP in self.steps
+
+    def describe(self) -> str:
+        """One line: what was done and when, e.g. `... meter stop sent 2026-12-01T12:03:00Z, not proven`."""
+        said = {
+            RELEASE: "release of box-side copies requested",
+            SHUTDOWN: "sidecar stop requested",
+            METER_STOP: "meter stop sent",
+        }
+        parts = []
+        for name in STEP_ORDER:
+            s = self.steps.get(name)
+            if s is not None:
+                detail = f" ({s.detail})" if s.detail and name == RELEASE else ""
+                parts.append(f"{said[name]} {when(s.at_ns)}{detail}")
+        parts.append("not proven" if self.meter_stop_sent else "meter stop not sent")
+        return ", ".join(parts)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "status": self.status,
+            "steps": {n: {"at": when(s.at_ns), "detail": s.detail} for n, s in self.steps.items()},
+            "summary": self.describe(),
+        }
+
+
+def unfinished(state: State, box: Box) -> Unfinished | None:
+    """Whether a `down` of `box` continues an earlier teardown, and from which step. The one place
+    that decides it (from the recorded steps; a `meter-unproven` box of a version that kept no steps
+    sent its stop when its last audit record was written)."""
+    if box.status == "down":
+        return None
+    steps = state.teardown_steps(box.name)
+    if not steps and box.status == "meter-unproven":
+        steps = {METER_STOP: Step(METER_STOP, state.last_audit_ns(box.name), "recorded without steps")}
+    if not steps and box.status == "up":
+        return None
+    return Unfinished(box.name, box.status, steps)
+
+
+async def sidecar_answers(box: Box, timeout_s: float = 3.0) -> bool:
+    """Does the box's sidecar answer (any version)? If it does, something watches the box again."""
+    async with SidecarClient(target(box)) as c:
+        try:
+            await c.hello(timeout_s=timeout_s, check_version=False)
+        except SidecarUnreachable:
+            return False
+    return True
+
+
+def up_command(box: Box) -> str:
+    """The `up` that restarts the box's sidecar as it was (so the gate can check the box again)."""
+    argv = ["boxwarden", "up", box.name]
+    argv += ["--profile-file", box.profile_file] if box.profile_file else ["--profile", box.profile]
+    if box.instance_id:
+        argv += ["--instance-id", box.instance_id]
+    argv += ["--workdir", box.workdir]
+    for w in box.watch:
+        argv += ["--watch", w]
+    argv += ["--durable", box.durable]
+    for cell in box.roster:
+        argv += ["--roster", cell]
+    for pat in box.exclude:
+        argv += ["--exclude", pat]
+    return shlex.join(argv)
+
+
+def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: bool = True) -> GateRefused:
+    """Fail closed: the box may still run, nothing watches it, and nothing proves it gone. `resend`:
+    the profile has a stop command that `--resend-stop` could send."""
+    sent = u.steps.get(METER_STOP)
+    if sent is not None:
+        head = f"the meter stop of {box.name} was sent at {when(sent.at_ns)} but never proven"
+    else:
+        head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
+    poll = f"; the poll says it is still there ({poll_said})" if poll_said else ""
+    return GateRefused(
+        f"{head}{poll}. The box may still be running and nothing watches it (its sidecar does not "
+        "answer), so nothing was sent. To let the gate check the box again, restart its sidecar: "
+        f"`{up_command(box)}`, then pull, verify and `boxwarden down {box.name} --confirm {box.name}`"
+        + (
+            ". If you know the box is being destroyed anyway, "
+            f"`boxwarden down {box.name} --confirm {box.name} --resend-stop` sends the stop again "
+            "without a gate (the audit record says so)"
+            if resend
+            else ""
+        ),
+        [Reason(UNFINISHED_CODE, detail=u.describe())],
+    )
 
 
 @dataclass
@@ -65,16 +184,24 @@ async def teardown(
     if not verdict.allowed or not verdict.confirmed:
         raise ControllerError("internal: teardown called without an allowed, confirmed verdict")
     result = TeardownResult(box=box.name)
+    earlier = unfinished(state, box)  # a `down` after `up` again: its meter stop may have been sent
     record = _record(box, profile, ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"])
     record.update(evidence_digest=verdict.evidence_digest, manifest_digest=verdict.box_manifest_digest)
+    if earlier is not None:
+        record["continues"] = earlier.to_json()
+    tearing = box.with_(status="tearing-down")
 
     async def steps() -> None:
         meterstop.plan(profile, box)  # every placeholder fillable, before anything is released
         hello = await client.hello()
+        before = state.teardown_steps(box.name)
+        state.step(tearing, RELEASE, "no answer yet")
         released = await client.release(verdict.box_manifest_digest)
         result.deleted = list(released.deleted)
         result.kept = list(released.kept)
+        state.step_detail(box.name, RELEASE, f"{len(result.deleted)} deleted, {len(result.kept)} kept")
         if released.refused:
+            state.set_teardown(box, before)  # the sidecar keeps watching: the box is as it was
             reasons = [Reason(r.code, r.path, r.detail) for r in released.refused]
             what = (
                 "refused, nothing was deleted"
@@ -87,6 +214,7 @@ async def teardown(
                 f"then pull, verify and `down {box.name}` again",
                 reasons,
             )
+        state.step(tearing, SHUTDOWN, f"pid {hello.pid}")
         await client.shutdown()
         result.sidecar_gone = await wait_gone(box, hello.pid, deadline_s=20.0)
         if not result.sidecar_gone:
@@ -94,25 +222,75 @@ async def teardown(
                 f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
                 f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
             )
-        result.meter = await meterstop.stop_meter(profile, box, manual_done=manual_done)
-        meterstop.require_stopped(result.meter)
+        # The gate passed just now: the stop may be sent (again: an earlier one polls first).
+        retry = earlier is not None and earlier.meter_stop_sent
+        await _meter(state, box, profile, result, manual_done, retry=retry, send=True)
 
     return await _audited(state, box, record, result, steps)
 
 
 async def retry_meter(
-    state: State, box: Box, profile: Profile, manual_done: Callable[[str], Awaitable[bool]]
+    state: State,
+    box: Box,
+    profile: Profile,
+    manual_done: Callable[[str], Awaitable[bool]],
+    *,
+    resend_stop: bool = False,
 ) -> TeardownResult:
-    """Run the meter stop again for a box whose data side was torn down but whose meter stop was not
-    proven (a poll timeout, a manual step not confirmed)."""
+    """Continue a teardown whose sidecar no longer answers (so no gate can run): only the meter is
+    left to settle. The poll runs first and "gone" is recorded only when it shows it; a box still
+    there gets the stop again only with `resend_stop` (the user's word that it is being destroyed
+    anyway), otherwise this refuses (exit 3) and says how to let the gate check the box again."""
+    u = unfinished(state, box) or Unfinished(box.name, box.status, {})
+    ms = profile.meter_stop
     result = TeardownResult(box=box.name, sidecar_gone=True)
-    record = _record(box, profile, [f"meter stop (retry): {profile.meter_stop.verb}"])
+    actions = [f"meter stop (retry, poll first): {ms.verb}"]
+    if resend_stop:
+        actions.append(
+            "--resend-stop: the stop is sent again WITHOUT a gate if the poll does not show it gone"
+        )
+    record = _record(box, profile, actions)
+    record.update(continues=u.to_json(), resend_stop=resend_stop, gate="not run: the sidecar does not answer")
 
     async def steps() -> None:
-        result.meter = await meterstop.stop_meter(profile, box, manual_done=manual_done, retry=True)
-        meterstop.require_stopped(result.meter)
+        if ms.mode == "none" and SHUTDOWN not in u.steps and u.status != "meter-unproven":
+            raise unfinished_refusal(box, u, resend=False)
+        meter = await _meter(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+        if ms.mode == "argv" and not meter.gone and not meter.sent:
+            raise unfinished_refusal(box, u, meter.last_poll)
 
     return await _audited(state, box, record, result, steps)
+
+
+async def _meter(
+    state: State,
+    box: Box,
+    profile: Profile,
+    result: TeardownResult,
+    manual_done: Callable[[str], Awaitable[bool]],
+    *,
+    retry: bool,
+    send: bool,
+) -> MeterResult:
+    """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
+    `meter-unproven` (the next `down` polls first)."""
+    try:
+        result.meter = await meterstop.stop_meter(
+            profile,
+            box,
+            manual_done=manual_done,
+            retry=retry,
+            send=send,
+            before_send=lambda what: state.step(box.with_(status="tearing-down"), METER_STOP, what),
+        )
+        held = result.meter.mode == "argv" and not result.meter.gone and not result.meter.sent
+        if not held:  # held: still there and not sent again; the caller refuses
+            meterstop.require_stopped(result.meter)
+        return result.meter
+    except BaseException:
+        if METER_STOP in state.teardown_steps(box.name):
+            state.put(box.with_(status="meter-unproven"))
+        raise
 
 
 def _record(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:
@@ -135,7 +313,8 @@ async def _audited(
     result: TeardownResult,
     steps: Callable[[], Awaitable[None]],
 ) -> TeardownResult:
-    """Run the teardown steps; whatever happens (Ctrl-C included), append the record to the audit log."""
+    """Run the teardown steps; whatever happens (Ctrl-C included), append the record to the audit
+    log. Only a teardown that ended with the meter settled marks the box down (and forgets its steps)."""
     try:
         await steps()
     except BaseException as e:
@@ -144,10 +323,8 @@ async def _audited(
             record["reasons"] = [r.to_json() for r in e.reasons]
         record["result"] = result.to_json()
         state.audit(box.name, record)
-        if result.sidecar_gone:
-            state.put(box.with_(status="meter-unproven"))
         raise
     record["result"] = result.to_json()
     result.audit_id = state.audit(box.name, record)
-    state.put(box.with_(status="down"))
+    state.set_teardown(box.with_(status="down"), {})
     return result

@@ -1,5 +1,6 @@
-"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME]`: the gate, then the teardown and the
-meter stop."""
+"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME] [--resend-stop]`: the gate, then the
+teardown and the meter stop; or the continuation of a teardown that did not finish
+(`teardown.unfinished` decides which)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, render
+from controller import boxes, render, teardown
 from controller.cli.options import json_flag, open_state
-from controller.errors import GateRefused
+from controller.errors import GateRefused, UsageError
 from controller.state import Box, State, exclusive
 
 
@@ -29,9 +30,21 @@ from controller.state import Box, State, exclusive
     is_flag=True,
     help="For a platform whose meter is stopped by hand: you did the console steps `down` printed.",
 )
+@click.option(
+    "--resend-stop",
+    is_flag=True,
+    help="For a teardown whose meter stop was never proven and whose sidecar is stopped: send the stop "
+    "again WITHOUT a gate (only if you know the box is being destroyed anyway; audited).",
+)
 @json_flag
 def command(
-    name: str, dry_run: bool, confirm: str | None, pulled: Path | None, meter_stopped: bool, as_json: bool
+    name: str,
+    dry_run: bool,
+    confirm: str | None,
+    pulled: Path | None,
+    meter_stopped: bool,
+    resend_stop: bool,
+    as_json: bool,
 ) -> None:
     """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
     if pulled is not None:
@@ -39,12 +52,14 @@ def command(
     state = open_state()
     box = state.get(name)
     if dry_run:
-        _down(state, box, dry_run, confirm, pulled, meter_stopped, as_json)
+        if resend_stop:
+            raise UsageError("--resend-stop sends a stop: it cannot go with --dry-run")
+        _down(state, box, dry_run, confirm, pulled, meter_stopped, False, as_json)
         return
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
     busy = f"another `down {name}` is running (pid {{pid}}); wait for it"
     with exclusive(Path(box.box_dir) / "down.lock", busy):
-        _down(state, state.get(name), dry_run, confirm, pulled, meter_stopped, as_json)
+        _down(state, state.get(name), dry_run, confirm, pulled, meter_stopped, resend_stop, as_json)
 
 
 def _down(
@@ -54,23 +69,46 @@ def _down(
     confirm: str | None,
     pulled: Path | None,
     meter_stopped: bool,
+    resend_stop: bool,
     as_json: bool,
 ) -> None:
     name = box.name
     interactive = sys.stdin.isatty() and not as_json
+    earlier = teardown.unfinished(state, box)
+    # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
+    shown_before = earlier is not None and earlier.meter_stop_sent
 
     async def manual_done(steps: str) -> bool:
         render.manual_steps(name, steps)
-        # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
-        if meter_stopped and box.status == "meter-unproven":
+        if meter_stopped and shown_before:
             return True
         return interactive and render.ask_done()
 
-    if box.status == "meter-unproven" and not dry_run:
-        # The data side is done (audited); only the meter stop is left to prove.
+    answers = earlier is not None and asyncio.run(teardown.sidecar_answers(box))
+    if resend_stop and (earlier is None or answers):
+        why = (
+            "its sidecar answers, so `down` goes through the gate" if earlier else "no teardown is unfinished"
+        )
+        raise UsageError(f"--resend-stop is not for {name}: {why}; leave the flag out")
+    if earlier is not None and not answers:
+        # An earlier teardown took steps and nothing watches the box now: no gate can run, only the
+        # meter is left to settle (poll first, never a blind re-send).
+        profile = boxes.box_profile(box)
+        if dry_run:
+            refusal = teardown.unfinished_refusal(box, earlier, resend=profile.meter_stop.mode == "argv")
+            if as_json:
+                reasons = [r.to_json() for r in refusal.reasons]
+                render.json_out(
+                    {"dry_run": True, "allowed": False, "reasons": reasons, "unfinished": earlier.to_json()}
+                )
+            raise refusal
         if confirm != name:
-            raise click.UsageError(f"name the box to retry its meter stop: --confirm {name}")
-        result = asyncio.run(boxes.retry_meter(state, box, manual_done))
+            raise click.UsageError(f"name the box to continue its teardown: --confirm {name}")
+        if resend_stop and profile.meter_stop.mode != "argv":
+            raise UsageError(
+                f"--resend-stop: {profile.name} has no stop command to send ({profile.meter_stop.mode})"
+            )
+        result = asyncio.run(teardown.retry_meter(state, box, profile, manual_done, resend_stop=resend_stop))
         if as_json:
             render.json_out({"teardown": result.to_json()})
         else:

@@ -1,4 +1,5 @@
-"""`boxwarden status [NAME]... [--json]`: one table (or JSON) of every box."""
+"""`boxwarden status [NAME]... [--json]`: one table (or JSON) of every box, with the recorded steps
+of any teardown that did not finish (e.g. `tearing-down (... meter stop sent ..., not proven)`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 
 import click
 
-from controller import boxes, render
+from controller import boxes, render, teardown
 from controller.cli.options import json_flag, open_state
 
 
@@ -15,7 +16,18 @@ from controller.cli.options import json_flag, open_state
 @json_flag
 def command(names: tuple[str, ...], as_json: bool) -> None:
     """Show every box (or the named ones): sidecar, jobs, claims, durable state, disk."""
-    rows = [s.row() for s in asyncio.run(boxes.status(open_state(), names))]
+    state = open_state()
+    rows = []
+    for s in asyncio.run(boxes.status(state, names)):
+        row = s.row()
+        earlier = teardown.unfinished(state, s.box)
+        if earlier is not None:
+            row["teardown"] = earlier.to_json()
+            shown = row.get("sidecar", "") if s.box.status == "up" else s.box.status
+            row["sidecar"] = (
+                f"{shown} ({'teardown unfinished: ' if s.box.status == 'up' else ''}{earlier.describe()})"
+            )
+        rows.append(row)
     if as_json:
         render.json_out({"boxes": rows})
     else:

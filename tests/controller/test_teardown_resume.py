@@ -1,0 +1,232 @@
+"""A teardown that did not finish (its meter stop timed out, or `down` was killed mid-way) is
+continued by the next `down` without ever re-sending an irreversible stop blindly: every step is
+recorded before it is taken, `status` shows where it stopped, and with the sidecar stopped the retry
+polls first, records "gone" only when the poll shows it, and otherwise refuses (exit 3) unless the
+user says `--resend-stop`. After `up` again the retry is a normal `down`, through the whole gate."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Bw, pid_alive, save_ckpt, wait_until
+
+NAME = "fk1"
+INSTANCE = "i-1"
+
+# A fake provider's stop command: it logs each call, "destroys" the instance at once when the test
+# has put `complete` in place, and hangs (bounded) while `hang` is there, as a slow provider CLI does.
+STOPPER = """
+import os, sys, time
+from pathlib import Path
+d, ident = Path(sys.argv[1]), sys.argv[2]
+with open(d / "stop-calls", "a") as f:
+    f.write(ident + "\\n")
+(d / "stopper.pid.tmp").write_text(str(os.getpid()))
+os.replace(d / "stopper.pid.tmp", d / "stopper.pid")
+if (d / "complete").exists():
+    (d / ("gone-" + ident)).touch()
+deadline = time.monotonic() + 120
+while (d / "hang").exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("stop requested for " + ident)
+"""
+
+
+def provider_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "provider"
+    d.mkdir(exist_ok=True)
+    return d
+
+
+def profile(tmp_path: Path) -> Path:
+    prov = provider_dir(tmp_path)
+    stopper = tmp_path / "stopper.py"
+    stopper.write_text(STOPPER)
+    stop = [sys.executable, str(stopper), str(prov), "{instance_id}"]
+    poll = ["test", "-e", f"{prov}/gone-{{instance_id}}"]
+    p = tmp_path / "slowcloud.toml"
+    p.write_text(
+        f"""
+name = "slowcloud"
+kind = "local"
+description = "A fake provider whose destroy is slow to show."
+verified = "2026-11-30"
+danger_clocks = []
+
+[meter_stop]
+verb = "destroy"
+irreversible = true
+mode = "argv"
+argv = {json.dumps(stop)}
+timeout_s = 1
+
+[meter_stop.poll]
+argv = {json.dumps(poll)}
+gone_exit_code = 0
+interval_s = 0.05
+
+[detach]
+primitive = "setsid"
+
+[spot]
+available = false
+grace_s = 0
+signal = ""
+
+[[storage]]
+name = "home"
+path = "~"
+survives_stop = true
+survives_destroy = true
+durable_default = true
+"""
+    )
+    return p
+
+
+def stop_calls(tmp_path: Path) -> int:
+    f = provider_dir(tmp_path) / "stop-calls"
+    return len(f.read_text().splitlines()) if f.exists() else 0
+
+
+def audit(bw: Bw) -> list[dict[str, Any]]:
+    db = sqlite3.connect(bw.home / "state.db")
+    try:
+        return [json.loads(r[0]) for r in db.execute("SELECT record FROM teardowns ORDER BY id")]
+    finally:
+        db.close()
+
+
+def box_row(bw: Bw) -> dict[str, Any]:
+    (row,) = bw.json("status")["boxes"]
+    return dict(row)
+
+
+def up_pulled_verified(bw: Bw, tmp_path: Path) -> dict[str, Path]:
+    p = bw.up(NAME, "--profile-file", str(profile(tmp_path)), "--instance-id", INSTANCE)
+    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    bw.wait_durable(NAME, 1)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    p["pulled"] = pulled
+    return p
+
+
+def unproven(bw: Bw, tmp_path: Path) -> dict[str, Path]:
+    """A box whose first `down` sent the stop, stopped the sidecar, and timed out polling."""
+    p = up_pulled_verified(bw, tmp_path)
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 1 and "meter may still be running" in r.stderr, r.stderr
+    assert stop_calls(tmp_path) == 1
+    assert box_row(bw)["status"] == "meter-unproven"
+    return p
+
+
+def test_a_retry_of_an_unproven_stop_polls_and_refuses_instead_of_resending(bw: Bw, tmp_path: Path) -> None:
+    p = unproven(bw, tmp_path)
+    # The box is still alive and a trainer writes more; a second stop would now destroy it for good.
+    new = p["watch"] / "cell-a" / "late.pt"
+    save_ckpt(new, seed=2)
+    (provider_dir(tmp_path) / "complete").touch()
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 3, r.stderr
+    said = " ".join(r.stderr.split())
+    assert "was sent at" in said and "never proven" in said
+    assert f"boxwarden up {NAME}" in said and "--resend-stop" in said
+    assert "TEARDOWN_UNFINISHED" in said
+    assert stop_calls(tmp_path) == 1  # nothing sent again
+    assert new.exists()
+    assert box_row(bw)["status"] == "meter-unproven"
+    assert audit(bw)[-1]["reasons"][0]["code"] == "TEARDOWN_UNFINISHED"
+    # The way out the message names: restart the sidecar, and the retry is a normal `down`.
+    again = ("--workdir", str(bw.cwd), "--watch", "ckpt", "--instance-id", INSTANCE)
+    bw.ok("up", NAME, "--profile-file", str(profile(tmp_path)), *again)  # a new run of the box
+    row = box_row(bw)
+    assert row["status"] == "up" and "meter stop sent" in row["teardown"]["summary"]
+    bw.wait_durable(NAME, 1)  # the new run claims what is on the box now: late.pt
+    refused = bw.json("down", NAME, "--confirm", NAME, code=3)
+    assert refused["allowed"] is False  # the gate runs: the verified tree is not this run's
+    assert stop_calls(tmp_path) == 1
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled2"))
+    bw.ok("verify", str(bw.cwd / "pulled2"))
+    doc = bw.json("down", NAME, "--confirm", NAME)
+    assert doc["teardown"]["gone"] is True
+    assert (bw.cwd / "pulled2" / "cell-a" / "late.pt").read_bytes()
+    assert box_row(bw)["status"] == "down" and "teardown" not in box_row(bw)
+
+
+def test_resend_stop_sends_again_without_a_gate_and_the_audit_says_so(bw: Bw, tmp_path: Path) -> None:
+    up_pulled_verified(bw, tmp_path)
+    r = bw("down", NAME, "--confirm", NAME, "--resend-stop")  # nothing unfinished: not for this box
+    assert r.returncode == 2 and "--resend-stop" in r.stderr
+    assert stop_calls(tmp_path) == 0
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 1
+    (provider_dir(tmp_path) / "complete").touch()
+    doc = bw.json("down", NAME, "--confirm", NAME, "--resend-stop")
+    meter = doc["teardown"]["meter"]
+    assert doc["teardown"]["gone"] is True and meter["sent"] is True
+    assert meter["polls"] >= 2  # polled first, then after the stop
+    assert stop_calls(tmp_path) == 2
+    record = audit(bw)[-1]
+    assert record["resend_stop"] is True and record["gate"].startswith("not run")
+    assert any("WITHOUT a gate" in a for a in record["actions"])
+    assert record["continues"]["steps"]["meter_stop"]["at"]
+    assert box_row(bw)["status"] == "down"
+
+
+def test_down_killed_during_the_meter_stop_is_shown_and_continued_by_polling(bw: Bw, tmp_path: Path) -> None:
+    p = up_pulled_verified(bw, tmp_path)
+    prov = provider_dir(tmp_path)
+    (prov / "hang").touch()
+    proc = bw.spawn("down", NAME, "--confirm", NAME)
+    stopper = 0
+    try:
+        wait_until(lambda: (prov / "stopper.pid").exists(), timeout=60, what="the stop command to run")
+        stopper = int((prov / "stopper.pid").read_text())
+        proc.kill()  # kill -9 while the provider's stop command runs
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if stopper:
+            (prov / "hang").unlink()
+            wait_until(lambda: not pid_alive(stopper), timeout=30, what="the stop command to end")
+    assert not (p["watch"] / "cell-a" / "best.pt").exists()  # released before the stop was sent
+    row = box_row(bw)
+    assert row["status"] == "tearing-down"
+    assert "meter stop sent" in row["sidecar"] and "not proven" in row["sidecar"]
+    assert set(row["teardown"]["steps"]) == {"release", "shutdown", "meter_stop"}
+    dry = bw.json("down", NAME, "--dry-run", code=3)
+    assert dry["allowed"] is False and [r["code"] for r in dry["reasons"]] == ["TEARDOWN_UNFINISHED"]
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 3, r.stderr
+    assert "SIDECAR_UNREACHABLE" not in r.stderr and "was sent at" in " ".join(r.stderr.split())
+    assert stop_calls(tmp_path) == 1
+    (prov / f"gone-{INSTANCE}").touch()  # the provider finished on its own
+    doc = bw.json("down", NAME, "--confirm", NAME)
+    assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is False
+    assert stop_calls(tmp_path) == 1
+    assert box_row(bw)["status"] == "down"
+
+
+def test_a_state_db_from_before_step_records_is_migrated(bw: Bw, tmp_path: Path) -> None:
+    unproven(bw, tmp_path)
+    db = sqlite3.connect(bw.home / "state.db")
+    db.execute("DROP TABLE IF EXISTS teardown_steps")  # the schema of a version that kept no steps
+    db.commit()
+    db.close()
+    row = box_row(bw)  # opening the state adds the table again
+    assert row["status"] == "meter-unproven" and "meter stop sent" in row["teardown"]["summary"]
+    (provider_dir(tmp_path) / "complete").touch()
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 3 and stop_calls(tmp_path) == 1
+    (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()
+    assert bw.json("down", NAME, "--confirm", NAME)["teardown"]["gone"] is True
+    assert stop_calls(tmp_path) == 1
