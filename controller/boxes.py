@@ -21,6 +21,7 @@ from controller import bootstrap, checks, gate, meterstop, profiles, teardown, t
 from controller.client import SidecarClient, lineage
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, RESERVED_NAMES
+from controller.overlap import same_dir_above
 from controller.pull import Progress, PullReport, pull
 from controller.state import Box, State
 
@@ -244,27 +245,11 @@ def _durable_apart(ddir: Path, watch: list[Path], box_dir: Path) -> None:
     d = Path(os.path.realpath(ddir))
     for w in [*watch, box_dir / "sidecar"]:
         r = Path(os.path.realpath(w))
-        if d == r or r in d.parents or d in r.parents or _same_dir_above(d, r) or _same_dir_above(r, d):
+        if d == r or r in d.parents or d in r.parents or same_dir_above(d, r) or same_dir_above(r, d):
             raise UsageError(
                 f"the durable dir {ddir} overlaps {w}: the sidecar would claim (and copy) its own copies, or "
                 "the copies would live and die with what they protect; put it outside every watched dir"
             )
-
-
-def _same_dir_above(path: Path, other: Path) -> bool:
-    """Is `other` (an existing directory) `path` or one of its existing ancestors, by (dev, inode)?"""
-    try:
-        st = other.stat()
-    except OSError:
-        return False
-    for p in (path, *path.parents):
-        try:
-            mine = p.stat()
-        except OSError:
-            continue
-        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
-            return True
-    return False
 
 
 RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR}

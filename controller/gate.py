@@ -227,9 +227,9 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             reasons.append(
                 Reason(
                     "JOB_RUNNING",
-                    detail=f"pid {x.pid} ({x.command[:60]}) works in {x.cwd}, outside every job's process "
-                    "tree, and started after a job did: it may be writing for one (a tmux session, `at`, "
-                    "an orphan); stop it, or if it is only your shell, leave that directory",
+                    detail=f"pid {x.pid} ({x.command[:60]}) {x.why or 'works in ' + x.cwd}, outside every "
+                    "job's process tree: it may be writing for one (a tmux session, `at`, a trainer "
+                    "started by hand); stop it, or if it is only your shell, leave that directory",
                 )
             )
         running = [j.id for j in ev.jobs] + [f"pid {x.pid}" for x in ev.strays]

@@ -95,6 +95,10 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
             relation = "is inside"
         elif other.is_relative_to(mine):
             relation = "contains"
+        elif same_dir_above(mine, other):
+            relation = "is (through a bind mount or another alias) inside"
+        elif same_dir_above(other, mine):
+            relation = "contains (through a bind mount or another alias)"
         else:
             continue
         name = hello.box_name or "NAME"
@@ -104,6 +108,23 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
             f"it, e.g. `boxwarden pull {name} --to ./pulled-{name}`"
         )
     return None
+
+
+def same_dir_above(path: Path, other: Path) -> bool:
+    """Is the directory `other` `path` itself or one of its ancestors, by (device, inode)? A bind
+    mount is another path to the same directory, which no comparison of paths sees."""
+    try:
+        st = other.stat()
+    except OSError:
+        return False
+    for p in (path, *path.parents):
+        try:
+            mine = p.stat()
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
 
 
 def destination_problem(root: Path) -> str | None:

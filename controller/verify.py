@@ -118,10 +118,12 @@ def _verify_locked(
     allow_empty: bool,
 ) -> VerifyReport:
     marker = root / MARKER_NAME
-    if write_marker:
+    manifest_path = root / MANIFEST_NAME
+    # Without a MANIFEST.json this may be no pulled tree at all: a PULL_VERIFIED.json that is not
+    # a marker of ours (the user's own file) is then left alone.
+    if write_marker and (os.path.lexists(manifest_path) or _is_our_marker(root)):
         _remove_marker(root, marker)
 
-    manifest_path = root / MANIFEST_NAME
     try:
         manifest = read_manifest(manifest_path)
     except StateError as exc:
@@ -206,6 +208,13 @@ def _extra_detail(path: str) -> str:
     if path.split("/", 1)[0] == PARTS_DIR:
         return "a partial copy left by an interrupted pull: run pull again to finish it"
     return "on disk but not in the manifest"
+
+
+def _is_our_marker(root: Path) -> bool:
+    try:
+        return read_marker(root) is not None
+    except StateError:
+        return False
 
 
 def _remove_marker(root: Path, marker: Path) -> None:

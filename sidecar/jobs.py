@@ -435,9 +435,6 @@ class JobSupervisor:
 
     def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
         """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
-        since = [j.proc_start_ticks for j in self._jobs.values() if j.proc_start_ticks]
-        if not since:
-            return []  # no job ever ran here: nothing can have left one's tree
         running = self.running()  # scans now, and brings every job's membership up to date
         table = proctree.scan()
         exempt = table.closure([self._me], set()) | {pid for j in running for pid in j.live_pids}
@@ -446,7 +443,6 @@ class JobSupervisor:
         return strays.find(
             table,
             roots=[*roots, str(self._default_cwd), *(j.cwd for j in self._jobs.values())],
-            since_ticks=min(since),
             exempt=exempt,
             caller=caller,
         )

@@ -143,7 +143,11 @@ class ArtifactNamer:
         base = art[art.rfind("/") + 1 :]
         if self.is_temp_name(base):
             if base.startswith(RELEASE_ASIDE_PREFIX):
-                return "temp", "put aside by a release that did not finish; the sidecar restores it at start"
+                return (
+                    "temp",
+                    "named like a release aside: the sidecar puts back its own at start; "
+                    "if it is yours, rename it",
+                )
             return "temp", TEMP_WHY
         # The pulled tree and the durable corner both hold artifact paths as they are (prefix and
         # all): the reserved names are reserved at the top of the artifact path.

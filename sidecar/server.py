@@ -116,27 +116,32 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 class _WireClaims:
-    """The claims as messages, and their digest, kept between listings: a row the ledger has not
-    replaced (the same object) keeps its message, and an unchanged ledger (the same version) keeps
-    the whole list and its digest. 100,000 claims convert in about a second otherwise."""
+    """The current claims as messages, and their digest, kept between listings: a row the ledger
+    has not replaced (the same object) keeps its message, and an unchanged ledger (the same
+    version) keeps the whole list and its digest. 100,000 claims convert in about a second
+    otherwise. The version and the claims are read together, in one step on the loop thread: a
+    list cached under a version it was not read at would be served, stale, until the next change."""
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[ClaimRow, pb.Claim]] = {}
         self._version = -1
+        self._claims: list[ClaimRow] = []
         self._list: list[pb.Claim] = []
         self._digest = ""
 
-    def of(self, version: int, claims: list[ClaimRow]) -> tuple[list[pb.Claim], str]:
-        if version != self._version:
+    def of(self, ledger: Ledger) -> tuple[list[ClaimRow], list[pb.Claim], str]:
+        if ledger.version != self._version:
+            version, claims = ledger.version, ledger.current_claims()
             old, fresh = self._by_id, {}
             for c in claims:
                 hit = old.get(c.id)
                 fresh[c.id] = hit if hit is not None and hit[0] is c else (c, claim_to_pb(c))
             self._by_id = fresh
+            self._claims = claims
             self._list = [fresh[c.id][1] for c in claims]
             self._digest = manifest_digest(claims)
             self._version = version
-        return self._list, self._digest
+        return self._claims, self._list, self._digest
 
 
 class SidecarService:
@@ -169,12 +174,8 @@ class SidecarService:
     async def _snapshot(self) -> tuple[str, _Snapshot]:
         ledger = self._p.ledger
         seq = ledger.last_seq()
-        claims = ledger.current_claims()
-        # The walk of the watched dirs runs off-loop; convert and digest the claims meanwhile.
-        walking = asyncio.ensure_future(box_evidence(self._p.sealer, claims))
-        await asyncio.sleep(0)  # let it take its copy of the sealer's state and start
-        as_pb, digest = self._wire.of(ledger.version, claims)
-        ev = await walking
+        claims, as_pb, digest = self._wire.of(ledger)
+        ev = await box_evidence(self._p.sealer, claims)  # the walk runs off-loop
         snap = _Snapshot(
             claims=as_pb,
             pending=[
@@ -317,7 +318,9 @@ class SidecarService:
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
             strays=[
-                pb.Stray(pid=x.pid, command=x.command, cwd=x.cwd, started_at_unix_ns=x.started_at_ns)
+                pb.Stray(
+                    pid=x.pid, command=x.command, cwd=x.cwd, started_at_unix_ns=x.started_at_ns, why=x.why
+                )
                 for x in found
             ],
         )

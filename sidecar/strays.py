@@ -1,15 +1,19 @@
-"""Strays: processes outside every job's tree that may still write for a job.
+"""Strays: processes outside every job's tree that work where the jobs work.
 
-A job's tree (sidecar.proctree) is found by PID, session, environment tag and reparenting. A job can
-still hand work to a process none of these reach: a session in a tmux server that was already
-running (its child belongs to the server, with the server's environment), `at`, or an orphan that
-cleared its environment and was reparented to init while the sidecar was down. What such a process
-cannot hide is where it works: it inherits the job's working directory.
+A job's tree (sidecar.proctree) is found by PID, session, environment tag, reparenting and the
+orphans it was given. A job can still hand work to a process none of these reach: a session in a
+tmux server that was already running, `at`, an orphan of a fork made while the sidecar was down, or
+the user's own trainer started by hand (`nohup python train.py &` in the workdir). What such a
+process rarely hides is where it works.
 
-A stray is a live process, not a member of any job and not the sidecar's own, that started after
-the first job of this box did (no job ever: no strays) and whose working directory is
-the workdir, a job's cwd or a watched dir, or lies under one. Processes whose cwd cannot be read
-(other users') are not strays: their writes still show as open files (sidecar.openfiles).
+A stray is a live process, not a member of any job, not the sidecar's own and not the caller's
+(the controller running `down` on this machine, and its shell), whose working directory is the
+workdir, a job's cwd or a watched dir, or lies under one (compared by path and, for bind-mount
+aliases, by device and inode), or which holds any file or directory there open. The rule asks
+nothing else, so a shell left standing in the workdir holds the gate too: its line says to leave.
+Processes whose /proc entries cannot be read (other users') are not strays: their open files still
+show through sidecar.openfiles, and a process that works elsewhere and holds nothing open there is
+beyond what /proc can tie to a job (the README says so).
 """
 
 from __future__ import annotations
@@ -29,13 +33,48 @@ class Stray:
     command: str
     cwd: str
     started_at_ns: int
+    why: str  # "works in DIR" or "holds PATH open"
+
+
+class _Roots:
+    """The directories a stray may not work in, by real path and by (device, inode)."""
+
+    def __init__(self, roots: Iterable[str]) -> None:
+        self.paths = sorted({os.path.realpath(r) for r in roots if r})
+        self.ids: set[tuple[int, int]] = set()
+        for r in self.paths:
+            try:
+                st = os.stat(r)
+            except OSError:
+                continue
+            self.ids.add((st.st_dev, st.st_ino))
+
+    def by_path(self, path: str) -> bool:
+        return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
+
+    def holds(self, path: str) -> bool:
+        """`path` (a directory) is a root or under one, however it is spelled."""
+        if self.by_path(path):
+            return True
+        cur = path
+        while True:
+            try:
+                st = os.stat(cur)
+            except OSError:
+                pass
+            else:
+                if (st.st_dev, st.st_ino) in self.ids:
+                    return True
+            parent = os.path.dirname(cur)
+            if parent == cur:
+                return False
+            cur = parent
 
 
 def find(
     table: proctree.ProcTable,
     *,
     roots: Iterable[str],
-    since_ticks: int,
     exempt: set[int],
     caller: Iterable[int] = (),
 ) -> list[Stray]:
@@ -46,18 +85,39 @@ def find(
     skip = set(exempt)
     if callers:
         skip |= table.closure(callers[:1], set()) | set(callers[1:])
-    real = [r for r in {os.path.realpath(r) for r in roots} if r]
+    where = _Roots(roots)
     out = []
     for p in table.procs.values():
-        if p.pid in skip or p.zombie or p.flags & _PF_KTHREAD or p.start_ticks < since_ticks:
+        if p.pid in skip or p.zombie or p.flags & _PF_KTHREAD:
             continue
         try:
             cwd = os.readlink(f"/proc/{p.pid}/cwd")
         except OSError:  # gone, or not ours to look at
             continue
-        if any(cwd == r or cwd.startswith(r.rstrip("/") + "/") for r in real):
-            out.append(Stray(p.pid, _command(p.pid), cwd, ticks_to_unix_ns(p.start_ticks)))
+        why = f"works in {cwd}" if where.holds(cwd) else _holds_open(p.pid, where)
+        if why:
+            out.append(Stray(p.pid, _command(p.pid), cwd, ticks_to_unix_ns(p.start_ticks), why))
     return sorted(out, key=lambda s: s.pid)
+
+
+def _holds_open(pid: int, where: _Roots) -> str:
+    try:
+        dir_fd = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    try:
+        for fd in os.listdir(dir_fd):
+            try:
+                target = os.readlink(fd, dir_fd=dir_fd)
+            except OSError:
+                continue
+            if target.startswith("/") and where.by_path(target):
+                return f"holds {target} open"
+    except OSError:
+        return ""
+    finally:
+        os.close(dir_fd)
+    return ""
 
 
 def _command(pid: int) -> str:
@@ -82,7 +142,7 @@ def ticks_to_unix_ns(ticks: int) -> int:
 def stray_line(x: Stray) -> str:
     """One refusal line: what the process is, and what to do about it."""
     return (
-        f"pid {x.pid} ({x.command[:80]}) works in {x.cwd} outside every job's process tree and started "
-        "after a job did: it may be writing for one (a tmux session, `at`, an orphan); stop it, or if it "
-        "is only yours (a shell), leave that directory"
+        f"pid {x.pid} ({x.command[:80]}) {x.why}, outside every job's process tree: it may be writing "
+        "for one (a tmux session, `at`, a trainer started by hand); stop it, or if it is only your "
+        "shell, leave that directory"
     )

@@ -390,3 +390,45 @@ def test_a_durable_dir_reached_through_a_bind_mount_of_the_watched_dir_is_refuse
         assert not (bw.cwd / "ckpt" / "dur").exists()
     finally:
         subprocess.run(["umount", str(alias)], check=True)
+
+
+def test_a_process_working_in_the_workdir_holds_the_gate_job_or_not(bw: Bw) -> None:
+    """Review 3, findings 1-3: the stray rule looked only at processes started after the first job,
+    and only at their working directory by path. A trainer started by hand (no `run` at all), a
+    shell that was there before, a working directory reached through a bind mount, or a process
+    working elsewhere that holds a file in the workdir open all let `down` pass."""
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    pull_verify(bw)
+    assert dry(bw)["allowed"]
+    (bw.cwd / "src").mkdir()
+    alias = bw.cwd.parent / f"{bw.cwd.name}-alias"
+    alias.mkdir()
+    subprocess.run(["mount", "--bind", str(bw.cwd), str(alias)], check=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        cases = [
+            ("works in", bw.cwd, ["sleep", "600"]),  # `nohup python train.py &`, by hand
+            ("works in", alias / "src", ["sleep", "601"]),  # the workdir through a bind mount
+            ("holds", Path("/"), ["sh", "-c", f"exec 3>>{bw.cwd / 'src' / 'stage.bin'}; exec sleep 602"]),
+        ]
+        for why, cwd, argv in cases:
+            proc = subprocess.Popen(argv, cwd=cwd, start_new_session=True)
+            procs.append(proc)
+
+            def named(pid: int = proc.pid, why: str = why) -> bool:
+                return any(
+                    r["code"] == "JOB_RUNNING" and f"pid {pid} " in r["detail"] and why in r["detail"]
+                    for r in dry(bw)["reasons"]
+                )
+
+            wait_until(named, what=f"pid {proc.pid} ({why}) to hold the gate")
+            proc.kill()
+            proc.wait()
+            wait_until(lambda: dry(bw)["allowed"], what="the gate to pass once it is gone")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["umount", str(alias)], check=True)

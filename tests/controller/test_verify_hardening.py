@@ -195,3 +195,18 @@ def test_watch_dirs_round_trip_and_stay_out_of_the_digest(tmp_path: Path) -> Non
     old = read_manifest(root / "MANIFEST.json")
     assert old.watch_dirs == () and old.digest == manifest.digest
     assert old.cell_of("ckpt/cell-a/x.json") == "ckpt"
+
+
+def test_verify_of_a_directory_without_a_manifest_leaves_a_user_s_file_alone(tmp_path: Path) -> None:
+    """Review 3, finding 6: verify deleted any PULL_VERIFIED.json before looking for a manifest."""
+    mine = tmp_path / "PULL_VERIFIED.json"
+    mine.write_text("my precious marker notes")
+    r = subprocess.run(
+        [sys.executable, "-m", "controller", "verify", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BOXWARDEN_HOME": str(tmp_path / "home")},
+        timeout=120,
+    )
+    assert r.returncode == 3 and "MANIFEST.json" in r.stdout + r.stderr
+    assert mine.read_text() == "my precious marker notes"

@@ -102,7 +102,8 @@ class LedgerMirror(RuleBasedStateMachine):
     @invariant()
     def wire_follows_the_ledger(self) -> None:
         claims = self.ledger.current_claims()
-        listed, digest = self.wire.of(self.ledger.version, claims)
+        rows, listed, digest = self.wire.of(self.ledger)
+        assert rows == claims
         assert listed == [claim_to_pb(c) for c in claims]
         assert digest == manifest_digest(claims)
 

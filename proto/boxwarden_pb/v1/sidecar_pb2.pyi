@@ -1007,9 +1007,10 @@ Global___ListJobsRequest: _TypeAlias = ListJobsRequest  # noqa: Y015
 
 @_typing.final
 class Stray(_message.Message):
-    """A process outside every job's tree that works in the workdir or a watched dir and started after
-    the first job did: it may be writing for a job that left boxwarden's sight (a session in an
-    already-running tmux server, `at`, an orphan after a sidecar restart). The gate refuses on it.
+    """A process outside every job's tree (and not the caller's) whose working directory is the workdir,
+    a job's cwd or a watched dir, or which holds a file there open: it may be writing for a job that
+    left boxwarden's sight (a session in an already-running tmux server, `at`, a trainer started by
+    hand). The gate refuses on it (JOB_RUNNING).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -1018,10 +1019,13 @@ class Stray(_message.Message):
     COMMAND_FIELD_NUMBER: _builtins.int
     CWD_FIELD_NUMBER: _builtins.int
     STARTED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    WHY_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     command: _builtins.str
     cwd: _builtins.str
     started_at_unix_ns: _builtins.int
+    why: _builtins.str
+    """"works in DIR" or "holds PATH open"."""
     def __init__(
         self,
         *,
@@ -1029,10 +1033,11 @@ class Stray(_message.Message):
         command: _builtins.str = ...,
         cwd: _builtins.str = ...,
         started_at_unix_ns: _builtins.int = ...,
+        why: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "cwd", b"cwd", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "cwd", b"cwd", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "why", b"why"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
