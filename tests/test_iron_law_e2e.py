@@ -432,3 +432,22 @@ def test_a_process_working_in_the_workdir_holds_the_gate_job_or_not(bw: Bw) -> N
             proc.kill()
             proc.wait()
         subprocess.run(["umount", str(alias)], check=True)
+
+
+def test_a_pulled_tree_that_is_a_bind_mount_of_the_watched_dir_is_refused(bw: Bw) -> None:
+    """Review 3, finding 5: EVIDENCE_OVERLAP compared paths; `--pulled` through a bind mount of the
+    watched dir was judged as a separate copy, and the release deleted its only bytes."""
+    p = bw.up(NAME)
+    (p["watch"] / "h.bin").write_bytes(b"HHHH")
+    bw.wait_durable(NAME, 1)
+    pull_verify(bw)
+    alias = bw.cwd.parent / f"{bw.cwd.name}-pulled-alias"
+    alias.mkdir()
+    subprocess.run(["mount", "--bind", str(p["watch"]), str(alias)], check=True)
+    try:
+        r = bw("down", NAME, "--dry-run", "--json", "--pulled", str(alias))
+        assert r.returncode == 3, r.stdout
+        assert ("EVIDENCE_OVERLAP", str(alias)) in codes(json.loads(r.stdout))
+    finally:
+        subprocess.run(["umount", str(alias)], check=True)
+    assert (p["watch"] / "h.bin").read_bytes() == b"HHHH"
