@@ -437,7 +437,7 @@ class JobSupervisor:
         """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
         running = self.running()  # scans now, and brings every job's membership up to date
         table = proctree.scan()
-        exempt = table.closure([self._me], set()) | {pid for j in running for pid in j.live_pids}
+        exempt = table.closure([self._me], set())
         for j in running:
             exempt |= set(self._members(j, table))
         return strays.find(

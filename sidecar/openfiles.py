@@ -12,15 +12,15 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from sidecar import proctree
 
 logger = logging.getLogger(__name__)
 
 _DELETED = " (deleted)"
-# task->flags bit of kernel threads (field 9 of /proc/PID/stat): they have no files at all.
-_PF_KTHREAD = 0x00200000
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,8 @@ def open_for_write(roots: Sequence[Path], *, exclude_pids: Collection[int] = ())
             try:
                 _scan_pid(pid, mapped, paths)
             except PermissionError:
-                if not _is_kernel_thread(pid):
+                proc = proctree.read_proc(int(pid))
+                if proc is not None and not proc.kernel_thread:
                     retry.append(pid)
             except (FileNotFoundError, ProcessLookupError):
                 pass  # exited mid-scan
@@ -65,6 +66,16 @@ def open_for_write(roots: Sequence[Path], *, exclude_pids: Collection[int] = ())
 
 
 def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
+    for fd, target in fd_paths(pid):
+        shown = _under(target, mapped)
+        if shown is not None and _opened_for_write(pid, fd):
+            out.add(shown)
+
+
+def fd_paths(pid: str) -> Iterator[tuple[str, str]]:
+    """(fd, path) for each of the process's fds that names a file or directory still linked
+    (sockets, pipes and deleted files left out). PermissionError if its fds may not be read,
+    FileNotFoundError or ProcessLookupError if it is gone."""
     # readlink relative to an open fd directory skips a /proc path walk per fd: the scan is a
     # syscall per fd, and a box runs thousands of them.
     dir_fd = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -75,11 +86,8 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
             except (FileNotFoundError, ProcessLookupError):
                 continue  # closed mid-scan
             # Sockets, pipes and anon inodes read "socket:[123]" etc.; only real paths start with "/".
-            if not target.startswith("/") or target.endswith(_DELETED):
-                continue
-            shown = _under(target, mapped)
-            if shown is not None and _opened_for_write(pid, fd):
-                out.add(shown)
+            if target.startswith("/") and not target.endswith(_DELETED):
+                yield fd, target
     finally:
         os.close(dir_fd)
 
@@ -105,16 +113,6 @@ def _opened_for_write(pid: str, fd: str) -> bool:
             flags = int(line.split()[1], 8)
             return flags & os.O_ACCMODE in (os.O_WRONLY, os.O_RDWR)
     return False
-
-
-def _is_kernel_thread(pid: str) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    rest = stat[stat.rfind(b")") + 2 :].split()
-    return len(rest) > 6 and int(rest[6]) & _PF_KTHREAD != 0
 
 
 def write_lease_blocked(path: str | Path) -> bool | None:

@@ -50,6 +50,10 @@ class Proc:
     def zombie(self) -> bool:
         return self.state in ("Z", "X")
 
+    @property
+    def kernel_thread(self) -> bool:
+        return bool(self.flags & _PF_KTHREAD)
+
 
 def parse_stat(pid: int, stat: bytes) -> Proc | None:
     # comm (field 2) may itself hold spaces and parentheses; fields after the last ")" are fixed.
@@ -142,7 +146,7 @@ class TagReader:
         fresh: dict[tuple[int, int], str | None] = {}
         found: dict[str, set[int]] = {}
         for p in table.procs.values():
-            if p.zombie or p.flags & _PF_KTHREAD:
+            if p.zombie or p.kernel_thread:
                 continue
             key = (p.pid, p.start_ticks)
             tag = self._cache[key] if key in self._cache else _read_tag(p.pid)

@@ -23,8 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import proctree
-
-_PF_KTHREAD = 0x00200000
+from sidecar.openfiles import fd_paths
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +87,7 @@ def find(
     where = _Roots(roots)
     out = []
     for p in table.procs.values():
-        if p.pid in skip or p.zombie or p.flags & _PF_KTHREAD:
+        if p.pid in skip or p.zombie or p.kernel_thread:
             continue
         try:
             cwd = os.readlink(f"/proc/{p.pid}/cwd")
@@ -102,21 +101,11 @@ def find(
 
 def _holds_open(pid: int, where: _Roots) -> str:
     try:
-        dir_fd = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    try:
-        for fd in os.listdir(dir_fd):
-            try:
-                target = os.readlink(fd, dir_fd=dir_fd)
-            except OSError:
-                continue
-            if target.startswith("/") and where.by_path(target):
+        for _fd, target in fd_paths(str(pid)):
+            if where.by_path(target):
                 return f"holds {target} open"
-    except OSError:
-        return ""
-    finally:
-        os.close(dir_fd)
+    except OSError:  # gone, or not ours to look at
+        pass
     return ""
 
 
