@@ -25,6 +25,7 @@ from controller import __version__
 from controller.client import SidecarClient
 from controller.errors import ControllerError, SidecarUnreachable, VersionMismatch
 from controller.manifest import atomic_write_json
+from controller.reach import target
 from controller.state import Box
 
 logger = logging.getLogger(__name__)
@@ -61,10 +62,6 @@ class UpResult:
     hello: pb.HelloResponse
     started: bool  # False: a sidecar of this version was already running and was left alone
     note: str = ""
-
-
-def target(box: Box) -> str:
-    return f"unix:{box.socket}"
 
 
 async def _hello(box: Box, timeout_s: float) -> pb.HelloResponse | None:

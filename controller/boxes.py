@@ -10,7 +10,6 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -18,11 +17,11 @@ from urllib.parse import unquote, urlparse
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
-from controller.client import SidecarClient, lineage
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, RESERVED_NAMES
 from controller.overlap import same_dir_above
 from controller.pull import Progress, PullReport, pull
+from controller.reach import connect
 from controller.state import Box, State
 
 NAME_CHARS = "letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)"
@@ -95,13 +94,6 @@ def prepare_durable(ddir: Path, *, own_default: bool) -> Path:
     except OSError as e:
         raise UsageError(f"cannot create the durable directory {ddir}: {e.strerror}") from e
     return ddir.resolve()
-
-
-@asynccontextmanager
-async def connect(box: Box) -> AsyncIterator[SidecarClient]:
-    # Every box runs on this machine today: the sidecar may exempt this process's lineage.
-    async with SidecarClient(bootstrap.target(box), caller_pids=lineage()) as c:
-        yield c
 
 
 @dataclass
@@ -368,12 +360,6 @@ async def status(state: State, names: Sequence[str]) -> list[BoxStatus]:
         except ControllerError as e:
             out.append(BoxStatus(box, None, None, error=str(e)))
     return out
-
-
-async def artifacts(box: Box) -> pb.ListArtifactsResponse:
-    async with connect(box) as c:
-        await c.hello()
-        return await c.list_artifacts()
 
 
 async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:

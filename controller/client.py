@@ -85,15 +85,19 @@ class SidecarClient:
             )
         return resp
 
-    async def list_artifacts(self) -> pb.ListArtifactsResponse:
-        """Every page of one snapshot, merged into one response (claims and pending in order).
+    async def artifact_pages(self) -> AsyncIterator[pb.ListArtifactsResponse | None]:
+        """The pages of one snapshot in order, each as it arrives, for a caller that works on a page
+        while the sidecar is still walking the watched dirs for the last one.
 
         Each page is its own call with its own deadline, so a box with 100,000 claims never needs
-        one long call. A snapshot that expired between pages is listed again from the start.
+        one long call. None means the snapshot expired between pages and the listing starts again
+        from the start: drop every page received before it. The last page (no next_page_token)
+        carries the final totals, and is yielded only once the counts of every page add up to them.
         """
         for attempt in range(LIST_ATTEMPTS):
-            merged = pb.ListArtifactsResponse()
-            token = ""
+            if attempt:
+                yield None
+            token, digest, n_claims, n_pending = "", None, 0, 0
             try:
                 while True:
                     req = pb.ListArtifactsRequest(page_token=token)
@@ -101,32 +105,47 @@ class SidecarClient:
                         "ListArtifacts",
                         lambda req=req: self.stub.ListArtifacts(req, timeout=self.timeout_s),  # type: ignore[misc]
                     )
-                    if not token:
-                        merged.manifest_digest = page.manifest_digest
-                        merged.seq = page.seq
-                        merged.total_claims = page.total_claims
-                        merged.total_pending = page.total_pending
-                        merged.excluded_files = page.excluded_files
-                    elif page.manifest_digest != merged.manifest_digest:
+                    if digest is None:
+                        digest = page.manifest_digest
+                    elif page.manifest_digest != digest:
                         raise SidecarRefused("ListArtifacts: a page of another snapshot arrived", "ABORTED")
-                    merged.claims.extend(page.claims)
-                    merged.pending.extend(page.pending)
+                    n_claims += len(page.claims)
+                    n_pending += len(page.pending)
                     token = page.next_page_token
-                    if not token:
-                        break
+                    if token:
+                        yield page
+                        continue
+                    if n_claims != page.total_claims or n_pending != page.total_pending:
+                        raise SidecarRefused(
+                            f"ListArtifacts: got {n_claims} claims and {n_pending} pending entries, the "
+                            f"sidecar announced {page.total_claims} and {page.total_pending}",
+                            "DATA_LOSS",
+                        )
+                    yield page
+                    return
             except SidecarRefused as e:
                 if e.code == "ABORTED" and attempt + 1 < LIST_ATTEMPTS:
                     logger.info("listing restarted: %s", e)
                     continue
                 raise
-            if len(merged.claims) != merged.total_claims or len(merged.pending) != merged.total_pending:
-                raise SidecarRefused(
-                    f"ListArtifacts: got {len(merged.claims)} claims and {len(merged.pending)} pending "
-                    f"entries, the sidecar announced {merged.total_claims} and {merged.total_pending}",
-                    "DATA_LOSS",
-                )
-            return merged
-        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def list_artifacts(self) -> pb.ListArtifactsResponse:
+        """Every page of one snapshot (see `artifact_pages`), merged into one response: claims and
+        pending entries in order, the totals of the last page."""
+        merged = pb.ListArtifactsResponse()
+        async for page in self.artifact_pages():
+            if page is None:
+                merged = pb.ListArtifactsResponse()
+                continue
+            merged.claims.extend(page.claims)
+            merged.pending.extend(page.pending)
+            if not page.next_page_token:
+                merged.manifest_digest = page.manifest_digest
+                merged.seq = page.seq
+                merged.total_claims = page.total_claims
+                merged.total_pending = page.total_pending
+                merged.excluded_files = page.excluded_files
+        return merged
 
     async def list_jobs(self) -> pb.ListJobsResponse:
         return await self._call(

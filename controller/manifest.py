@@ -10,6 +10,7 @@ file and the field, because a manifest the verifier cannot trust must never let 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -112,6 +113,10 @@ class Manifest:
     # The watched directories' base names when there are two or more (each path then starts with
     # one of them); empty for one. Not part of the digest: it says how to read paths, not bytes.
     watch_dirs: tuple[str, ...] = ()
+    # Files an earlier pull of this box and run put in the tree that the box no longer claims
+    # (deleted, renamed or released there), still holding the bytes it put there. Verify checks
+    # their bytes like the rest; they are not claims, so not part of the digest or the roster.
+    retired: tuple[ManifestFile, ...] = ()
 
     @classmethod
     def build(
@@ -121,6 +126,7 @@ class Manifest:
         files: Iterable[ManifestFile],
         roster: Iterable[str],
         watch_dirs: Iterable[str] = (),
+        retired: Iterable[ManifestFile] = (),
     ) -> Manifest:
         """A manifest over `files` (sorted by path), its digest computed here. Raises StateError for
         an unsafe or duplicate path, so that nothing is written that could not be read back."""
@@ -133,7 +139,11 @@ class Manifest:
         for i, cell in enumerate(cells):
             _check_cell(cell, f"roster[{i}]", "manifest")
         _check_watch_dirs(names, ordered, "manifest")
-        return cls(run_id, instance, ordered, cells, manifest_digest(ordered), names)
+        kept = _checked_retired(retired, ordered, "manifest")
+        return cls(run_id, instance, ordered, cells, manifest_digest(ordered), names, kept)
+
+    def with_retired(self, retired: Iterable[ManifestFile]) -> Manifest:
+        return dataclasses.replace(self, retired=_checked_retired(retired, self.files, "manifest"))
 
     def cell_of(self, path: str) -> str:
         """The roster cell of an artifact path: its first component after the watched directory's
@@ -158,6 +168,7 @@ class Manifest:
             "watch_dirs": list(self.watch_dirs),
             "totals": {"files": len(self.files), "bytes": self.total_bytes},
             "digest": self.digest,
+            "retired": [f.to_json() for f in self.retired],
         }
 
 
@@ -285,7 +296,23 @@ def read_manifest(path: Path) -> Manifest:
             "(the manifest was edited)"
         )
     ordered = tuple(sorted(files, key=lambda f: f.path.encode("utf-8")))
-    return Manifest(run_id, instance, ordered, roster, digest, watch_dirs)
+    raw_retired = doc.get("retired", [])  # absent in manifests written before the field existed
+    if not isinstance(raw_retired, list):
+        raise StateError(f"{where}: field 'retired' must be list, got {type(raw_retired).__name__}")
+    retired = _checked_retired(
+        (_parse_file(raw, f"retired[{i}]", where) for i, raw in enumerate(raw_retired)), ordered, where
+    )
+    return Manifest(run_id, instance, ordered, roster, digest, watch_dirs, retired)
+
+
+def _checked_retired(
+    retired: Iterable[ManifestFile], files: tuple[ManifestFile, ...], where: str
+) -> tuple[ManifestFile, ...]:
+    ordered = tuple(sorted(retired, key=lambda f: f.path.encode("utf-8")))
+    for i, f in enumerate(ordered):
+        _check_file(f, f"retired[{i}]", where)
+    _check_unique((*files, *ordered), where)  # a path twice, or a file where another has a directory
+    return ordered
 
 
 def _field(doc: dict[str, Any], name: str, kind: type[_T], where: str) -> _T:

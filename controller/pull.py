@@ -79,7 +79,9 @@ class PullReport:
     bytes_fetched: int = 0  # received and kept: the fetched files' bytes not resumed from before
     bytes_discarded: int = 0  # received, then thrown away when a resumed copy did not match
     parts_removed: int = 0  # leftovers in PARTS_DIR that no claim needed any more
-    extra_local: list[str] = field(default_factory=list)
+    extra_local: list[str] = field(default_factory=list)  # files here no pull of this box put here
+    retired: list[str] = field(default_factory=list)  # pulled earlier, no longer claimed, bytes kept
+    replaced: list[str] = field(default_factory=list)  # pulled earlier, changed on the box since
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
     restarted: list[str] = field(default_factory=list)  # resumed, mismatched, fetched again from 0
 
@@ -94,6 +96,8 @@ class PullReport:
             "bytes_discarded": self.bytes_discarded,
             "parts_removed": self.parts_removed,
             "extra_local": self.extra_local,
+            "retired": self.retired,
+            "replaced": self.replaced,
             "resumed": self.resumed,
             "restarted": self.restarted,
         }
@@ -159,7 +163,9 @@ async def _pull_locked(
 ) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
     placing = _placing(root, manifest)
-    present = _survey(root, claims, manifest, _recorded(root, manifest) | placing)
+    earlier = _recorded(root, manifest)
+    known = {(f.path, f.bytes, f.blake3) for f in earlier.values()} | placing
+    present, report.replaced = _survey(root, claims, manifest, known)
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
@@ -188,8 +194,11 @@ async def _pull_locked(
                 report.fetched.append(claim.path)
             finally:
                 os.close(parent_fd)
-        report.extra_local = _extra_local(root, claim_paths)
-        write_manifest(root, manifest)
+        extra = _extra_local(root, claim_paths)
+        retired = _still_as_pulled(root, extra, earlier)
+        report.retired = [f.path for f in retired]
+        report.extra_local = sorted(set(extra) - set(report.retired))
+        write_manifest(root, manifest.with_retired(retired))
         report.parts_removed = _clear_parts(parts_fd)
     finally:
         os.close(parts_fd)
@@ -275,12 +284,13 @@ def name_some(paths: Sequence[str], shown: int = SHOWN) -> str:
     return f"{head} and {len(paths) - shown} more" if len(paths) > shown else head
 
 
-def _recorded(root: Path, manifest: Manifest) -> set[Entry]:
-    """The files the tree's MANIFEST.json records, if an earlier pull of this box and run wrote it.
-    UsageError if it is another's, or cannot be read (then what it may stand for is unknown)."""
+def _recorded(root: Path, manifest: Manifest) -> dict[str, ManifestFile]:
+    """The files the tree's MANIFEST.json records (claims and retired), by path, if an earlier pull
+    of this box and run wrote it. UsageError if it is another's, or cannot be read (then what it may
+    stand for is unknown)."""
     where = root / MANIFEST_NAME
     if not os.path.lexists(where):
-        return set()
+        return {}
     try:
         earlier = read_manifest(where)
     except StateError as exc:
@@ -289,7 +299,29 @@ def _recorded(root: Path, manifest: Manifest) -> set[Entry]:
             f"pull into an empty or new directory (--to), or move {MANIFEST_NAME} away"
         ) from exc
     _check_same_box(root, "the tree pulled from", earlier.instance, earlier.run_id, manifest)
-    return {(f.path, f.bytes, f.blake3) for f in earlier.files}
+    return {f.path: f for f in (*earlier.files, *earlier.retired)}
+
+
+def _still_as_pulled(root: Path, extra: list[str], earlier: dict[str, ManifestFile]) -> list[ManifestFile]:
+    """The files among `extra` (here, not claimed by the box now) that an earlier pull of this box
+    and run put here and that still hold its bytes: the box deleted, renamed or released them after
+    that pull. They stay, listed as retired, so that verify checks them instead of calling them
+    EXTRA (a trainer that rotates its checkpoints, or a release that was interrupted)."""
+    out: list[ManifestFile] = []
+    for path in extra:
+        f = earlier.get(path)
+        if f is None:
+            continue
+        try:
+            if os.lstat(root / path).st_size != f.bytes:
+                continue
+            found = digest_file(root / path)
+        except OSError as exc:
+            logger.info("%s: could not be hashed (%s)", root / path, exc)
+            continue
+        if (found.bytes, found.blake3) == (f.bytes, f.blake3):
+            out.append(f)
+    return out
 
 
 def _placing(root: Path, manifest: Manifest) -> set[Entry]:
@@ -349,12 +381,16 @@ def _check_same_box(root: Path, what: str, instance: str, run_id: str, manifest:
     )
 
 
-def _survey(root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]) -> set[str]:
-    """The paths of claims whose bytes are here already. UsageError naming the files at claims'
-    paths whose bytes are neither the claim's nor `known` (put there by an earlier pull of this box):
+def _survey(
+    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]
+) -> tuple[set[str], list[str]]:
+    """The paths of claims whose bytes are here already, and those whose bytes here are older ones
+    an earlier pull of this box put there (the box changed the file since: they will be replaced).
+    UsageError naming the files at claims' paths whose bytes are neither the claim's nor `known`:
     a pull never replaces those."""
     sized = {(p, n) for p, n, _ in known}
     present: set[str] = set()
+    older: list[str] = []
     foreign: list[str] = []
     for claim in claims:
         full = root / claim.path
@@ -374,13 +410,15 @@ def _survey(root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[E
             present.add(claim.path)
         elif digest is None or (claim.path, st.st_size, digest) not in known:
             foreign.append(claim.path)
+        else:
+            older.append(claim.path)
     if foreign:
         raise UsageError(
             f"refusing to pull: {len(foreign)} file(s) in {root} hold bytes that no pull of box "
             f"{manifest.instance!r} put there, where the box has files: {name_some(sorted(foreign))}; "
             "pull never replaces them: move them away, or pull into an empty or new directory (--to)"
         )
-    return present
+    return present, sorted(older)
 
 
 def _local_digest(path: Path) -> str | None:

@@ -8,21 +8,23 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from rich.console import Console
 from rich.markup import escape as _markup_escape
 from rich.table import Table
 
-from controller.bootstrap import UpResult
-from controller.checks import Finding
-from controller.errors import Reason
-from controller.gate import Verdict
-from controller.profiles import Profile
-from controller.pull import PullReport
-from controller.state import Box
-from controller.teardown import TeardownResult
-from controller.verify import VerifyReport
+if TYPE_CHECKING:  # annotations only: `artifacts --json` must not pay for importing all of these
+    from controller.bootstrap import UpResult
+    from controller.checks import Finding
+    from controller.errors import Reason
+    from controller.gate import Verdict
+    from controller.profiles import Profile
+    from controller.pull import PullReport
+    from controller.state import Box
+    from controller.teardown import TeardownResult
+    from controller.verify import VerifyReport
 
 # What a terminal would act on instead of showing: C0 controls (ESC starts a sequence; CR and BS
 # overwrite what was shown), DEL, C1 controls (U+009B is a CSI on many terminals) and the bidi
@@ -195,14 +197,28 @@ def pull_report(rep: PullReport) -> None:
         n = rep.parts_removed
         line += f"; removed {n} leftover partial cop{'y' if n == 1 else 'ies'} that no claim needs"
     info(line)
-    if rep.extra_local:
-        shown = ", ".join(esc(p) for p in rep.extra_local[:20])
-        more = f" and {len(rep.extra_local) - 20} more" if len(rep.extra_local) > 20 else ""
-        warn(
-            f"kept {len(rep.extra_local)} file(s) here that the box does not claim now (verify reports them "
-            "EXTRA): the box may have released them after a verified pull (their durable copies remain), or "
-            f"they were deleted on the box: {shown}{more}"
+    if rep.replaced:
+        info(
+            f"replaced {len(rep.replaced)} file(s) an earlier pull put here with the box's newer bytes "
+            "(the box changed them since; durable storage, too, keeps only the newest): "
+            f"{_some(rep.replaced)}"
         )
+    if rep.retired:
+        info(
+            f"kept {len(rep.retired)} file(s) an earlier pull put here that the box no longer claims "
+            "(deleted, renamed or released there; their durable copies remain), listed as retired in "
+            f"MANIFEST.json: {_some(rep.retired)}"
+        )
+    if rep.extra_local:
+        warn(
+            f"{len(rep.extra_local)} file(s) here were not put here by a pull of this box, or changed since "
+            f"(verify reports them EXTRA; pull never deletes them): {_some(rep.extra_local)}"
+        )
+
+
+def _some(paths: Sequence[str], shown: int = 20) -> str:
+    more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+    return ", ".join(esc(p) for p in paths[:shown]) + more
 
 
 def verify_report(rep: VerifyReport) -> None:

@@ -26,12 +26,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 from controller import meterstop
-from controller.bootstrap import target, wait_gone
+from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.errors import ControllerError, GateRefused, Reason, SidecarUnreachable
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
+from controller.reach import target
 from controller.state import Box, State, Step
 
 RELEASE, SHUTDOWN, METER_STOP = "release", "shutdown", "meter_stop"

@@ -32,6 +32,7 @@ from controller.manifest import (
     PARTS_DIR,
     RESERVED_NAMES,
     Manifest,
+    ManifestFile,
     atomic_write_json,
     fsync_dir,
     is_digest,
@@ -135,8 +136,12 @@ def _verify_locked(
 
     scan = _scan(root)
     reasons = [Reason("UNSAFE_PATH", path, why) for path, why in scan.unsafe.items()]
-    listed = {f.path for f in manifest.files}
+    listed = {f.path for f in (*manifest.files, *manifest.retired)}
     reasons += [Reason("EXTRA", path, _extra_detail(path)) for path in scan.files - listed]
+    # Retired files (pulled earlier, no longer claimed by the box) are not claims, but the manifest
+    # says which bytes they hold: a tree that does not hold them is not the tree it describes.
+    retired = [f for f in manifest.retired if f.path not in scan.unsafe]
+    reasons += [r for f in retired if (r := _bytes_reason(root, f, scan)) is not None]
     if not manifest.files and not allow_empty:
         reasons.append(
             Reason(
@@ -262,6 +267,27 @@ def _scan(root: Path) -> _Scan:
     return scan
 
 
+def _bytes_reason(root: Path, f: ManifestFile, scan: _Scan) -> Reason | None:
+    """Why the file at `f.path` does not hold the manifest's bytes; None if it does."""
+    if f.path not in scan.files:
+        return Reason("MISSING", f.path, "in the manifest but not on disk")
+    try:
+        found = digest_file(root / f.path)
+    except FileChanged as exc:
+        return Reason("UNREADABLE", f.path, str(exc))
+    except NotRegularFile:
+        return Reason("UNSAFE_PATH", f.path, "replaced by a non-regular file during verify")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            return Reason("UNSAFE_PATH", f.path, "replaced by a symlink during verify")
+        return Reason("UNREADABLE", f.path, f"cannot read: {exc.strerror or exc}")
+    if found.bytes != f.bytes:
+        return Reason("SIZE_MISMATCH", f.path, f"{found.bytes} bytes on disk, manifest says {f.bytes}")
+    if found.blake3 != f.blake3:
+        return Reason("HASH_MISMATCH", f.path, f"blake3 {found.blake3} on disk, manifest says {f.blake3}")
+    return None
+
+
 def _check_files(
     root: Path, manifest: Manifest, scan: _Scan, loader: CheckpointLoader | None
 ) -> tuple[set[str], tuple[ProbeResult, ...], list[Reason]]:
@@ -283,34 +309,13 @@ def _check_files(
         for f in manifest.files:
             if f.path in scan.unsafe:
                 continue  # already refused as UNSAFE_PATH; its bytes are not read
-            if f.path not in scan.files:
-                reasons.append(Reason("MISSING", f.path, "in the manifest but not on disk"))
-                continue
-            full = root / f.path
-            try:
-                found = digest_file(full)
-            except FileChanged as exc:
-                reasons.append(Reason("UNREADABLE", f.path, str(exc)))
-                continue
-            except NotRegularFile:
-                reasons.append(Reason("UNSAFE_PATH", f.path, "replaced by a non-regular file during verify"))
-                continue
-            except OSError as exc:
-                if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                    reasons.append(Reason("UNSAFE_PATH", f.path, "replaced by a symlink during verify"))
-                else:
-                    reasons.append(Reason("UNREADABLE", f.path, f"cannot read: {exc.strerror or exc}"))
-                continue
-            if found.bytes != f.bytes:
-                detail = f"{found.bytes} bytes on disk, manifest says {f.bytes}"
-                reasons.append(Reason("SIZE_MISMATCH", f.path, detail))
-            elif found.blake3 != f.blake3:
-                detail = f"blake3 {found.blake3} on disk, manifest says {f.blake3}"
-                reasons.append(Reason("HASH_MISMATCH", f.path, detail))
+            reason = _bytes_reason(root, f, scan)
+            if reason is not None:
+                reasons.append(reason)
             elif probe_kind(f.path) == "none":
                 good.add(f.path)
             else:
-                pending[f.path] = pool.submit(run_probe, full)
+                pending[f.path] = pool.submit(run_probe, root / f.path)
 
         probes: list[ProbeResult] = []
         for path, future in pending.items():

@@ -24,7 +24,7 @@ from typing import IO
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
-from sidecar import __version__, children
+from sidecar import __version__, children, mounts
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
@@ -161,7 +161,13 @@ async def run(s: Settings) -> None:
     children.install_reaper(loop)
     jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans)
     await jobs.recover()
-    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns, s.exclude_patterns)
+    # What is mounted at each watched dir when this ledger first saw it: a mount over one later
+    # (or one taken away) would hide files from every check.
+    marks = {
+        root: ledger.meta_default(f"watch-mark:{root}", mark)
+        for root, mark in mounts.marks(s.watch_dirs, mounts.mount_counts()).items()
+    }
+    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_marks=marks)
     sealer = Sealer(
         namer=namer,
         ledger=ledger,

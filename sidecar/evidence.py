@@ -10,7 +10,9 @@ fds it cannot read), counts as being written.
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 from sidecar.ledger import ClaimRow
 from sidecar.openfiles import OpenWrites, write_lease_blocked
@@ -90,12 +92,17 @@ def _collect(
     return BoxEvidence(pending=[out[k] for k in sorted(out)], excluded_files=excluded)
 
 
-async def box_evidence(sealer: Sealer, current: list[ClaimRow] | None = None) -> BoxEvidence:
-    """The pending entries now. The ledger belongs to the loop thread: claims are read here, the
-    walk runs off-loop. `current`: the current claims, if the caller just read them (reading
-    100,000 twice would hold the loop for seconds)."""
+def box_evidence(sealer: Sealer, current: list[ClaimRow] | None = None) -> Coroutine[Any, Any, BoxEvidence]:
+    """The pending entries now. The ledger belongs to the loop thread: the claims and the sealer's
+    dirty and busy sets are read here, at the call, together; the walk runs off-loop when the result
+    is awaited. `current`: the current claims, if the caller just read them (reading 100,000 twice
+    would hold the loop for seconds)."""
     claims = {c.path: c for c in (sealer.ledger.current_claims() if current is None else current)}
     dirty = frozenset(sealer.dirty)
     busy = sealer.busy_set()
-    scan = await sealer.writes.scan()
-    return await sealer.scan(_collect, sealer.namer, claims, dirty, busy, scan)
+
+    async def walk() -> BoxEvidence:
+        scan = await sealer.writes.scan()
+        return await sealer.scan(_collect, sealer.namer, claims, dirty, busy, scan)
+
+    return walk()

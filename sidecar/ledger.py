@@ -115,7 +115,7 @@ class Ledger:
             if r["durable"]:
                 self.counts.durable += r["n"]
                 self.counts.durable_bytes += r["b"]
-        self.ledger_id = self._meta_default("ledger_id", uuid.uuid4().hex)
+        self.ledger_id = self.meta_default("ledger_id", uuid.uuid4().hex)
         # The current claims, mirrored in memory: a listing of 100,000 reads no rows and sorts
         # nothing unless something changed. Every change re-reads its row after its transaction
         # committed (`_reload`), so the mirror never shows what the database does not hold.
@@ -183,7 +183,8 @@ class Ledger:
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, value))
 
-    def _meta_default(self, key: str, value: str) -> str:
+    def meta_default(self, key: str, value: str) -> str:
+        """The value recorded under `key`; `value`, recorded now, if there is none yet."""
         with self._tx() as db:
             db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
         found = self.meta(key)

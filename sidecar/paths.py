@@ -17,9 +17,11 @@ import fnmatch
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Literal, NamedTuple
 
+from sidecar import mounts
 from sidecar.errors import NotFoundError, UnsafePathError
 
 DEFAULT_TEMP_PATTERNS = ("*.tmp", "*.part", "*.swp", "*.swx", ".*.swp")
@@ -109,8 +111,12 @@ class ArtifactNamer:
         watch_dirs: tuple[Path, ...],
         temp_patterns: tuple[str, ...] = DEFAULT_TEMP_PATTERNS,
         exclude_patterns: tuple[str, ...] = (),
+        root_marks: Mapping[Path, str] | None = None,
     ) -> None:
+        """`root_marks`: each watched dir's mark (see sidecar.mounts) when the box came up; a walk
+        that finds another reports the dir as unclaimable."""
         self._roots = watch_dirs
+        self._marks = dict(root_marks or {})
         self._prefixed = len(watch_dirs) > 1
         # Each pattern list as one compiled regex: a walk classifies 100,000 names.
         self._temp = _any_of(temp_patterns)
@@ -217,6 +223,18 @@ class ArtifactNamer:
         (EACCES, EIO) or a path too long to open is reported as unclaimable with the reason. No
         symlink is followed."""
         out: list[Entry] = []
+        if self._marks:
+            now = mounts.marks(self._roots, mounts.mount_counts())
+            for root, then in self._marks.items():
+                why = mounts.changed(then, now[root]) if root in now else None
+                if why is not None:
+                    out.append(
+                        self._problem(
+                            root,
+                            f"the watched directory changed under its path: {why}. What the other "
+                            "filesystem holds is hidden from every check: put the mounts back as they were",
+                        )
+                    )
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.

@@ -323,7 +323,13 @@ class Sealer:
     async def _finish(self, claim: ClaimRow, staged: StagedCopy) -> bool:
         """Commit, re-read, and mark durable; True if the claim is now durable."""
         try:
-            await self.run(self.store.commit, staged)
+            moved = await self.run(self.store.commit, staged)
+            if moved is not None:
+                self.ledger.add_event(
+                    "DURABLE_MOVED_ASIDE",
+                    path=claim.path,
+                    detail=f"an older durable copy of another kind was in the way; it now lies at {moved}",
+                )
             ok = await self.run(self.store.verify, claim.path, claim.blake3)
         except SidecarError as e:
             await self.run(self.store.discard, staged)

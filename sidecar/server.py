@@ -2,7 +2,8 @@
 object, and build the answer; every error leaves through `rpcerrors.translated`.
 
 Streams send the current state first (replayed journal, latest health snapshot), then wait on a
-Bell for more. ListArtifacts is paged over one snapshot, so 100,000 claims never need one long call.
+Bell for more. ListArtifacts is paged over one snapshot, so 100,000 claims never need one long call;
+the pages that hold only claims are answered while the walk of the watched dirs still runs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from sidecar import __version__
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
-from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
+from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, BoxEvidence, box_evidence
 from sidecar.hashing import new_hasher
 from sidecar.health import HealthHub, job_to_pb
 from sidecar.identity import FileIdentity
@@ -105,14 +106,23 @@ class Parts:
 @dataclass
 class _Snapshot:
     claims: list[pb.Claim]
-    pending: list[pb.Pending]
+    # The walk of the watched dirs, started with the snapshot: pages of claims alone are answered
+    # while it runs; the page that holds the last claim waits for it.
+    evidence: asyncio.Task[BoxEvidence]
     digest: str
     seq: int
-    excluded: int
     taken: float
+    pending: list[pb.Pending] | None = None  # the walk's result as messages, once converted
 
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+
+
+def _retrieve(task: asyncio.Task[BoxEvidence]) -> None:
+    """A walk nobody awaited (its listing was abandoned) must not log "exception never retrieved";
+    the pages that do await it get its error."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _WireClaims:
@@ -171,21 +181,15 @@ class SidecarService:
             durable_root=self._p.durable_root,
         )
 
-    async def _snapshot(self) -> tuple[str, _Snapshot]:
+    def _snapshot(self) -> tuple[str, _Snapshot]:
         ledger = self._p.ledger
         seq = ledger.last_seq()
         claims, as_pb, digest = self._wire.of(ledger)
-        ev = await box_evidence(self._p.sealer, claims)  # the walk runs off-loop
-        snap = _Snapshot(
-            claims=as_pb,
-            pending=[
-                pb.Pending(path=p.path, state=PENDING_STATES[p.state], detail=p.detail) for p in ev.pending
-            ],
-            digest=digest,
-            seq=seq,
-            excluded=ev.excluded_files,
-            taken=time.monotonic(),
-        )
+        # The claims, the sealer's dirty and busy sets and seq are read now, in one loop step.
+        walk = box_evidence(self._p.sealer, claims)
+        evidence = asyncio.get_running_loop().create_task(walk, name="listing-walk")
+        evidence.add_done_callback(_retrieve)
+        snap = _Snapshot(claims=as_pb, evidence=evidence, digest=digest, seq=seq, taken=time.monotonic())
         token = secrets.token_hex(8)
         self._snapshots[token] = snap
         while len(self._snapshots) > SNAPSHOTS_KEPT:
@@ -204,20 +208,29 @@ class SidecarService:
                 )
             start = int(start_text)
         else:
-            token, snap = await self._snapshot()
+            token, snap = self._snapshot()
             start = 0
         n_claims = len(snap.claims)
-        end = min(start + size, n_claims + len(snap.pending))
-        resp = pb.ListArtifactsResponse(
-            manifest_digest=snap.digest,
-            seq=snap.seq,
-            total_claims=n_claims,
-            total_pending=len(snap.pending),
-            excluded_files=snap.excluded,
-        )
+        resp = pb.ListArtifactsResponse(manifest_digest=snap.digest, seq=snap.seq, total_claims=n_claims)
+        if start + size < n_claims:
+            # More claims follow this page: it need not wait for the walk (the controller works on
+            # these claims meanwhile); the totals of pending entries come with the later pages.
+            resp.claims.extend(snap.claims[start : start + size])
+            resp.next_page_token = f"{token}:{start + size}"
+            return resp
+        # shield: a caller that gives up must not cancel the walk the other pages share.
+        ev = await asyncio.shield(snap.evidence)
+        if snap.pending is None:
+            snap.pending = [
+                pb.Pending(path=p.path, state=PENDING_STATES[p.state], detail=p.detail) for p in ev.pending
+            ]
+        pending = snap.pending
+        end = min(start + size, n_claims + len(pending))
+        resp.total_pending = len(pending)
+        resp.excluded_files = ev.excluded_files
         resp.claims.extend(snap.claims[start : min(end, n_claims)])
-        resp.pending.extend(snap.pending[max(start - n_claims, 0) : max(end - n_claims, 0)])
-        if end < n_claims + len(snap.pending):
+        resp.pending.extend(pending[max(start - n_claims, 0) : max(end - n_claims, 0)])
+        if end < n_claims + len(pending):
             resp.next_page_token = f"{token}:{end}"
         else:
             self._snapshots.pop(token, None)

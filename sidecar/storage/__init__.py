@@ -84,8 +84,11 @@ class DurableStore(Protocol):
         """
         ...
 
-    def commit(self, staged: StagedCopy) -> None:
-        """Make the staged copy durable at `rel`: flush it, rename it into place, flush directories."""
+    def commit(self, staged: StagedCopy) -> str | None:
+        """Make the staged copy durable at `rel`: flush it, rename it into place, flush directories.
+        An older copy of another kind in the way (a directory where the file goes, or a file where
+        a directory must be) is moved aside whole, never deleted: returns where it now lies (relative
+        to the store's root), None if nothing was in the way."""
         ...
 
     def discard(self, staged: StagedCopy) -> None:

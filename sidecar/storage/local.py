@@ -272,19 +272,20 @@ class LocalStore:
 
     # ---------------------------------------------------------------------------------- commit
 
-    def commit(self, staged: StagedCopy) -> None:
+    def commit(self, staged: StagedCopy) -> str | None:
         parts = split_rel(staged.rel)
         if staged.tmp_path.parent != self._tmp_dir:
             raise PreconditionError(f"{staged.tmp_path} was not staged by the store at {self.url}")
         try:
-            self._commit(staged, parts)
+            moved = self._commit(staged, parts)
         except BaseException:
             # A failed commit leaves no temp behind; the caller re-stages from the source.
             remove_quietly(staged.tmp_path)
             raise
         logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
+        return moved
 
-    def _commit(self, staged: StagedCopy, parts: tuple[str, ...]) -> None:
+    def _commit(self, staged: StagedCopy, parts: tuple[str, ...]) -> str | None:
         try:
             fd = os.open(staged.tmp_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as exc:
@@ -298,7 +299,7 @@ class LocalStore:
         finally:
             close_fd(fd)
         final = self.root.joinpath(*parts)
-        self._clear_the_way(parts)
+        moved = self._clear_the_way(parts)
         dir_fds, first_new = walk_dirs(self.root, parts[:-1], create=True)
         try:
             # rename() replaces a symlink at the final name rather than following it, but a
@@ -320,16 +321,18 @@ class LocalStore:
         finally:
             for dfd in dir_fds:
                 close_fd(dfd)
+        return moved
 
-    def _clear_the_way(self, parts: tuple[str, ...]) -> None:
+    def _clear_the_way(self, parts: tuple[str, ...]) -> str | None:
         """An old copy of another kind in the way (a file where this path needs a directory, a
-        directory where it needs a file: the trainer changed formats) moves to the attic, whole."""
+        directory where it needs a file: the trainer changed formats) moves to the attic, whole.
+        Returns where it went, relative to the root; None if nothing was in the way."""
         for depth in range(1, len(parts) + 1):
             here = self.root.joinpath(*parts[:depth])
             try:
                 st = os.lstat(here)
             except FileNotFoundError:
-                return
+                return None
             except OSError as exc:
                 raise storage_error("looking at", here, exc) from exc
             last = depth == len(parts)
@@ -343,9 +346,10 @@ class LocalStore:
                 except OSError as exc:
                     raise storage_error("moving an old copy of another kind aside from", here, exc) from exc
                 logger.warning("moved the old copy at %s to %s: the path changed kind", here, attic)
-                return
+                return (attic / parts[depth - 1]).relative_to(self.root).as_posix()
             if last:
-                return
+                return None
+        return None
 
     def discard(self, staged: StagedCopy) -> None:
         if staged.tmp_path.parent != self._tmp_dir:
@@ -412,11 +416,36 @@ class LocalStore:
         return self.root
 
     def bind_owner(self, owner: str) -> None:
+        self._refuse_strangers_folder()
         found = self._write_once(OWNER_NAME, owner)
         if found != owner:
             raise ConfigError(
                 f"{self.root} holds the durable copies of another run (owner {found}, this ledger is "
                 f"{owner}); they are never overwritten: give this box another --run-id (or durable URL)"
+            )
+
+    def _refuse_strangers_folder(self) -> None:
+        """Copies land at their artifact paths under the root, replacing what is there: a root
+        inside another run's folder, or one that already holds files no run owns, is refused."""
+        for above in self.root.parents:
+            if (above / OWNER_NAME).exists():
+                raise ConfigError(
+                    f"{self.root} lies inside {above}, the durable folder of another run: its copies "
+                    "could be overwritten; give this box a durable URL outside it"
+                )
+        if (self.root / OWNER_NAME).exists():
+            return
+        try:
+            strangers = sorted(set(os.listdir(self.root)) - {TMP_DIRNAME, ID_NAME})
+        except OSError as exc:
+            raise storage_error("listing", self.root, exc) from exc
+        if strangers:
+            shown = ", ".join(repr(n) for n in strangers[:3]) + (", …" if len(strangers) > 3 else "")
+            raise ConfigError(
+                f"{self.root} already holds {len(strangers)} {'entry' if len(strangers) == 1 else 'entries'} "
+                "that no boxwarden run owns "
+                f"({shown}): durable copies would overwrite them; move them away, or give this box "
+                "another --run-id (or durable URL)"
             )
 
     def store_id(self) -> str:

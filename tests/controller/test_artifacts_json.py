@@ -3,13 +3,15 @@ seconds): the text must be exactly what the generic path writes, for any string 
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from controller.cli.artifacts import _CLAIM_FIELDS, _claims_json, _to_dict
+from controller.cli.artifacts import _CLAIM_FIELDS, _claims_json, _listing_json, _to_dict
 
 INT64 = st.integers(0, 2**63 - 1)
 claims = st.builds(
@@ -34,11 +36,58 @@ def test_the_fast_path_knows_every_claim_field() -> None:
 @given(st.lists(claims, max_size=4))
 def test_claims_json_is_what_message_to_dict_and_dumps_write(cs: list[pb.Claim]) -> None:
     expected = json.dumps([_to_dict(c) for c in cs], sort_keys=True)
-    assert _claims_json(cs) == expected
+    assert "[" + _claims_json(cs) + "]" == expected
 
 
 def test_odd_strings_are_escaped() -> None:
     c = pb.Claim(path='a"b\\c\nd\x7f\u00e9\U0001f600', push_error="</script>\t", blake3="x")
-    text = _claims_json([c])
+    text = "[" + _claims_json([c]) + "]"
     assert json.loads(text)[0]["path"] == c.path
     assert text == json.dumps([_to_dict(c)], sort_keys=True)
+
+
+pendings = st.builds(pb.Pending, path=st.text(), state=st.sampled_from([1, 2, 3, 4]), detail=st.text())
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    stale=st.lists(claims, max_size=3),
+    cs=st.lists(claims, max_size=6),
+    ps=st.lists(pendings, max_size=4),
+    size=st.integers(1, 4),
+    restart=st.booleans(),
+    excluded=INT64,
+)
+def test_the_listing_written_page_by_page_is_the_merged_listing_dumped(
+    stale: list[pb.Claim], cs: list[pb.Claim], ps: list[pb.Pending], size: int, restart: bool, excluded: int
+) -> None:
+    """Pages as the sidecar sends them (claims first, the totals only from the page with the last
+    claim on), after a restart marker that must drop what came before it."""
+    merged = pb.ListArtifactsResponse(
+        claims=cs,
+        pending=ps,
+        manifest_digest="d",
+        seq=7,
+        total_claims=len(cs),
+        total_pending=len(ps),
+        excluded_files=excluded,
+    )
+    entries: list[pb.Claim | pb.Pending] = [*cs, *ps]
+    pages = []
+    for start in range(0, max(len(entries), 1), size):
+        part = entries[start : start + size]
+        page = pb.ListArtifactsResponse(manifest_digest="d", seq=7, total_claims=len(cs))
+        page.claims.extend(e for e in part if isinstance(e, pb.Claim))
+        page.pending.extend(e for e in part if isinstance(e, pb.Pending))
+        if start + size >= len(cs):
+            page.total_pending, page.excluded_files = len(ps), excluded
+        if start + size < len(entries):
+            page.next_page_token = f"t:{start + size}"
+        pages.append(page)
+    before = [pb.ListArtifactsResponse(claims=stale, next_page_token="x"), None] if restart else []
+
+    async def source() -> AsyncIterator[pb.ListArtifactsResponse | None]:
+        for p in [*before, *pages]:
+            yield p
+
+    assert asyncio.run(_listing_json(source())) == json.dumps(_to_dict(merged), sort_keys=True)

@@ -362,6 +362,7 @@ def test_files_the_box_no_longer_claims_are_kept_and_not_called_stale(bw: Bw) ->
     assert "cell-b/best.pt" in r.stderr and "stale" not in r.stderr and "move them" not in r.stderr
     assert "released" in r.stderr and "durable copies remain" in r.stderr and "kept" in r.stderr
     assert (pulled / "cell-b" / "best.pt").exists()
+    bw.ok("verify", str(pulled))  # listed as retired, not EXTRA
 
 
 def test_leftover_parts_no_claim_needs_are_removed(bw: Bw) -> None:

@@ -476,10 +476,15 @@ class ListArtifactsResponse(_message.Message):
     next_page_token: _builtins.str
     """Empty on the last page; otherwise pass it as page_token to get the next one."""
     total_claims: _builtins.int
-    """Claims and pending entries in the whole snapshot (to check that every page arrived)."""
+    """Claims and pending entries in the whole snapshot (to check that every page arrived).
+    total_claims is on every page. total_pending and excluded_files come from the walk of the
+    watched directories, which runs while the pages that hold only claims are answered: they are
+    set on the page that holds the last claim and on every page after it, and are 0 before it.
+    Read them from the last page.
+    """
     total_pending: _builtins.int
     excluded_files: _builtins.int
-    """Regular files the user's exclude_patterns left out, in the whole snapshot."""
+    """Regular files the user's exclude_patterns left out, in the whole snapshot (see total_pending)."""
     @_builtins.property
     def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___Claim]:
         """Current claims of this page, sorted by path (pages follow each other in that order)."""

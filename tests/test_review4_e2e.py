@@ -1,0 +1,172 @@
+"""Adversarial review 4: each test is a way the real CLI lost data, allowed `down` wrongly or
+refused wrongly before its fix (the findings are in issue 6's closing note)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import subprocess
+from typing import Any
+
+import blake3
+
+from tests.conftest import Bw, wait_until
+
+NAME = "box1"
+
+
+def dry(bw: Bw, name: str = NAME) -> dict[str, Any]:
+    r = bw("down", name, "--dry-run", "--json")
+    doc = dict(json.loads(r.stdout))
+    assert r.returncode == (0 if doc["allowed"] else 3), r.stderr
+    return doc
+
+
+def up_args(bw: Bw, *extra: str) -> tuple[str, ...]:
+    return ("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", *extra)
+
+
+def test_up_refuses_a_durable_folder_that_holds_files_no_run_owns(bw: Bw) -> None:
+    (bw.cwd / "ckpt").mkdir()
+    (bw.cwd / "ckpt" / "x.bin").write_bytes(b"new")
+    durable = bw.cwd / "durable"
+    mine = durable / NAME / "R" / "x.bin"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"the user's own file")
+    r = bw(*up_args(bw, "--durable", durable.as_uri(), "--run-id", "R"))
+    assert r.returncode == 1, r.stderr  # the sidecar refused to start
+    assert "holds 1 entry that no boxwarden run owns ('x.bin')" in r.stderr
+    assert mine.read_bytes() == b"the user's own file"
+    assert not bw.sidecar_pids()
+
+
+def test_up_refuses_a_durable_url_inside_another_runs_folder(bw: Bw) -> None:
+    durable = bw.cwd / "durable"
+    durable.mkdir()
+    p = bw.up("aa", "--durable", durable.as_uri(), "--run-id", "R1")
+    nested = p["watch"] / "bb" / "R2" / "x.bin"
+    nested.parent.mkdir(parents=True)
+    nested.write_bytes(b"aa's precious bytes")
+    bw.wait_durable("aa", 1)
+    run_folder = durable / "aa" / "R1"
+    assert (run_folder / "bb" / "R2" / "x.bin").read_bytes() == b"aa's precious bytes"
+    other = bw.cwd / "other"
+    (other / "ckpt").mkdir(parents=True)
+    (other / "ckpt" / "x.bin").write_bytes(b"bb's bytes")
+    r = bw("up", "bb", "--profile", "local", "--workdir", str(other), "--watch", "ckpt",
+           "--durable", run_folder.as_uri(), "--run-id", "R2")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "the durable folder of another run" in r.stderr
+    assert (run_folder / "bb" / "R2" / "x.bin").read_bytes() == b"aa's precious bytes"
+
+
+def test_a_mount_over_the_watched_dir_itself_refuses_down(bw: Bw) -> None:
+    p = bw.up(NAME)
+    watch = p["watch"]
+    (watch / "a.bin").write_bytes(b"sealed")
+    bw.wait_durable(NAME, 1)
+    (watch / "b.bin").write_bytes(b"written just before the mount: hidden under it")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(watch)], check=True)
+    try:
+        (watch / "c.bin").write_bytes(b"on the mount")
+
+        def refused() -> dict[str, Any] | None:
+            doc = dry(bw)
+            return doc if any(r["code"] == "UNCLAIMABLE" for r in doc["reasons"]) else None
+
+        doc = wait_until(refused, what="the mount over the watched dir to be reported")
+        reason = next(r for r in doc["reasons"] if r["code"] == "UNCLAIMABLE")
+        assert "changed under its path" in reason["detail"] and "another filesystem" in reason["detail"]
+        r = bw("down", NAME, "--confirm", NAME)
+        assert r.returncode == 3, r.stderr
+    finally:
+        subprocess.run(["umount", str(watch)], check=True)
+    assert (watch / "b.bin").read_bytes().startswith(b"written just before")
+    wait_until(lambda: not any(r["code"] == "UNCLAIMABLE" for r in dry(bw)["reasons"]), what="the mount gone")
+
+
+def test_a_file_in_place_of_a_durable_directory_moves_the_old_copies_aside(bw: Bw) -> None:
+    p = bw.up(NAME)
+    model = p["watch"] / "model"
+    model.mkdir()
+    (model / "s0.bin").write_bytes(b"S0 precious")
+    bw.wait_durable(NAME, 1)
+    (model / "s0.bin").unlink()
+    model.rmdir()
+    model.write_bytes(b"a file now")
+    wait_until(
+        lambda: (p["durable"] / "model").is_file() and (p["durable"] / "model").read_bytes() == b"a file now",
+        what="the new file to be durable",
+    )
+    attic = [f for f in (p["durable"] / ".boxwarden-attic").rglob("s0.bin")]
+    assert [f.read_bytes() for f in attic] == [b"S0 precious"]
+
+    def moved_aside() -> list[tuple[str, str]]:
+        db = sqlite3.connect(p["box_dir"] / "sidecar" / "ledger.sqlite")
+        try:
+            return db.execute("SELECT path, detail FROM events WHERE kind = 'DURABLE_MOVED_ASIDE'").fetchall()
+        finally:
+            db.close()
+
+    # The event is recorded once the commit that moved the old copies returns.
+    events = wait_until(moved_aside, what="the DURABLE_MOVED_ASIDE event")
+    assert [(path, detail.rsplit(" ", 1)[-1]) for path, detail in events] == [
+        ("model", attic[0].parent.relative_to(p["durable"]).as_posix())
+    ]
+
+
+def test_files_the_box_no_longer_claims_stay_verified_in_the_pulled_tree(bw: Bw) -> None:
+    """After a verified pull the box drops some files (an interrupted release deleted them, or the
+    trainer rotates its checkpoints): pulling again used to leave them EXTRA, and only deleting the
+    user's own verified copies by hand let verify and down pass."""
+    p = bw.up(NAME)
+    for i in range(4):
+        (p["watch"] / f"f{i}.bin").write_bytes(bytes([i]) * 1000)
+    bw.wait_durable(NAME, 4)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    (p["watch"] / "f0.bin").unlink()
+    (p["watch"] / "f1.bin").rename(p["watch"] / "f1-renamed.bin")
+    (pulled / "stranger.bin").write_bytes(b"not from the box")
+    wait_until(lambda: len(bw.artifacts(NAME)["claims"]) == 3 and not dry(bw)["allowed"], what="the claims")
+    r = bw("pull", NAME, "--to", str(pulled))
+    assert r.returncode == 0, r.stderr
+    assert "2 file(s) an earlier pull put here that the box no longer claims" in r.stderr
+    manifest = json.loads((pulled / "MANIFEST.json").read_text())
+    assert [f["path"] for f in manifest["retired"]] == ["f0.bin", "f1.bin"]
+    assert {f["path"] for f in manifest["files"]} == {"f1-renamed.bin", "f2.bin", "f3.bin"}
+    v = bw("verify", str(pulled), "--json")
+    assert v.returncode == 3 and [(x["code"], x["path"]) for x in json.loads(v.stdout)["reasons"]] == [
+        ("EXTRA", "stranger.bin")
+    ]
+    (pulled / "stranger.bin").unlink()
+    (pulled / "f0.bin").write_bytes(b"edited locally")  # a retired file is checked like the rest
+    v = bw("verify", str(pulled), "--json")
+    assert v.returncode == 3 and [x["code"] for x in json.loads(v.stdout)["reasons"]] == ["SIZE_MISMATCH"]
+    (pulled / "f0.bin").write_bytes(bytes([0]) * 1000)
+    bw.ok("verify", str(pulled))
+    assert dry(bw)["allowed"] is True
+
+
+def test_pull_says_which_files_it_replaced_with_newer_bytes_from_the_box(bw: Bw) -> None:
+    """Finding 4: a file rewritten on the box after a verified pull silently replaced the verified
+    copy at the next pull. The box's newest bytes are the claim (durable storage keeps only those
+    too), so the pull takes them, and now says so, naming the file."""
+    p = bw.up(NAME)
+    (p["watch"] / "x.bin").write_bytes(b"GOOD" * 100)
+    (p["watch"] / "y.bin").write_bytes(b"same")
+    bw.wait_durable(NAME, 2)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    (p["watch"] / "x.bin").write_bytes(b"EVIL" * 100)
+    evil = blake3.blake3(b"EVIL" * 100).hexdigest()
+    wait_until(
+        lambda: any(c["blake3"] == evil and c["durable"] for c in bw.artifacts(NAME)["claims"]),
+        what="the rewrite sealed and durable",
+    )
+    r = bw("pull", NAME, "--to", str(pulled))
+    assert r.returncode == 0, r.stderr
+    assert "replaced 1 file(s) an earlier pull put here with the box's newer bytes" in r.stderr
+    assert "newest): x.bin\n" in r.stderr
+    assert (pulled / "x.bin").read_bytes() == b"EVIL" * 100
