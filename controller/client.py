@@ -145,6 +145,7 @@ class SidecarClient:
                 merged.total_claims = page.total_claims
                 merged.total_pending = page.total_pending
                 merged.excluded_files = page.excluded_files
+                merged.excluded_sample.extend(page.excluded_sample)
         return merged
 
     async def list_jobs(self) -> pb.ListJobsResponse:

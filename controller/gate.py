@@ -57,6 +57,7 @@ class Evidence:
     box_manifest_digest: str = ""
     pending: list[pb.Pending] = field(default_factory=list)
     excluded_files: int = 0
+    excluded_sample: list[str] = field(default_factory=list)
     exclude_patterns: list[str] = field(default_factory=list)
     jobs: list[pb.Job] = field(default_factory=list)
     strays: list[pb.Stray] = field(default_factory=list)
@@ -119,6 +120,7 @@ async def gather(
             ev.box_manifest_digest = listing.manifest_digest
             ev.pending = list(listing.pending)
             ev.excluded_files = listing.excluded_files
+            ev.excluded_sample = list(listing.excluded_sample)
             ev.exclude_patterns = list(hello.exclude_patterns)
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
             ev.strays = list(jobs.strays)
@@ -249,6 +251,8 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         )
         excluded = (
             f"{ev.excluded_files} files excluded by {', '.join(ev.exclude_patterns)} (given at up)"
+            + (": " + ", ".join(ev.excluded_sample) if ev.excluded_sample else "")
+            + (" …" if ev.excluded_files > len(ev.excluded_sample) else "")
             if ev.exclude_patterns
             else "no exclude patterns"
         )
@@ -317,7 +321,7 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
         "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
         "strays": [[x.pid, x.cwd] for x in ev.strays],
         "pending": [[p.path, int(p.state), p.detail] for p in ev.pending],
-        "excluded": [ev.excluded_files, ev.exclude_patterns],
+        "excluded": [ev.excluded_files, ev.exclude_patterns, ev.excluded_sample],
         "verified": None
         if v is None
         else {

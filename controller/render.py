@@ -166,7 +166,9 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
     for p in listing.pending:
         warn(f"{safe(p.path)}: {states.get(p.state, 'pending')}: {safe(p.detail)}")
     if listing.excluded_files:
-        info(f"{listing.excluded_files} files excluded by the patterns given at up")
+        shown = ", ".join(safe(p) for p in listing.excluded_sample)
+        more = " …" if listing.excluded_files > len(listing.excluded_sample) else ""
+        info(f"{listing.excluded_files} files excluded by the patterns given at up: {shown}{more}")
 
 
 @contextmanager

@@ -141,7 +141,10 @@ def _verify_locked(
     # Retired files (pulled earlier, no longer claimed by the box) are not claims, but the manifest
     # says which bytes they hold: a tree that does not hold them is not the tree it describes.
     retired = [f for f in manifest.retired if f.path not in scan.unsafe]
-    reasons += [r for f in retired if (r := _bytes_reason(root, f, scan)) is not None]
+    gone = (
+        "listed as retired (the box no longer claims it) but not on disk: pull again to drop it from the list"
+    )
+    reasons += [r for f in retired if (r := _bytes_reason(root, f, scan, gone)) is not None]
     if not manifest.files and not allow_empty:
         reasons.append(
             Reason(
@@ -267,10 +270,12 @@ def _scan(root: Path) -> _Scan:
     return scan
 
 
-def _bytes_reason(root: Path, f: ManifestFile, scan: _Scan) -> Reason | None:
+def _bytes_reason(
+    root: Path, f: ManifestFile, scan: _Scan, missing: str = "in the manifest but not on disk"
+) -> Reason | None:
     """Why the file at `f.path` does not hold the manifest's bytes; None if it does."""
     if f.path not in scan.files:
-        return Reason("MISSING", f.path, "in the manifest but not on disk")
+        return Reason("MISSING", f.path, missing)
     try:
         found = digest_file(root / f.path)
     except FileChanged as exc:

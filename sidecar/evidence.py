@@ -19,6 +19,7 @@ from sidecar.openfiles import OpenWrites, write_lease_blocked
 from sidecar.paths import ArtifactNamer, display
 from sidecar.sealer import Sealer
 
+EXCLUDED_SHOWN = 20
 WRITING = "WRITING"
 CHANGED = "CHANGED"
 TEMP = "TEMP"
@@ -36,6 +37,7 @@ class PendingEntry:
 class BoxEvidence:
     pending: list[PendingEntry]
     excluded_files: int
+    excluded_sample: list[str]  # the first EXCLUDED_SHOWN of them, by path (display form)
 
 
 def _collect(
@@ -47,14 +49,14 @@ def _collect(
 ) -> BoxEvidence:
     """Blocking: walks the watched dirs (run it off-loop)."""
     out: dict[str, PendingEntry] = {}
-    excluded = 0
+    excluded: list[str] = []
     seen: set[str] = set()
     writing = {namer.to_artifact(p) for p in scan.paths}
     in_doubt = scan.unreadable_pids > 0
     for e in namer.walk_all():
         shown = display(e.art)
         if e.kind == "excluded":
-            excluded += 1
+            excluded.append(shown)
             continue
         seen.add(e.art)
         if e.kind == "unclaimable":
@@ -89,7 +91,11 @@ def _collect(
     for path in claims.keys() - seen:
         shown = display(path)
         out[shown] = PendingEntry(shown, CHANGED, "claimed, but no longer on the box as a regular file")
-    return BoxEvidence(pending=[out[k] for k in sorted(out)], excluded_files=excluded)
+    return BoxEvidence(
+        pending=[out[k] for k in sorted(out)],
+        excluded_files=len(excluded),
+        excluded_sample=sorted(excluded)[:EXCLUDED_SHOWN],
+    )
 
 
 def box_evidence(sealer: Sealer, current: list[ClaimRow] | None = None) -> Coroutine[Any, Any, BoxEvidence]:

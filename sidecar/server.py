@@ -228,6 +228,7 @@ class SidecarService:
         end = min(start + size, n_claims + len(pending))
         resp.total_pending = len(pending)
         resp.excluded_files = ev.excluded_files
+        resp.excluded_sample.extend(ev.excluded_sample)
         resp.claims.extend(snap.claims[start : min(end, n_claims)])
         resp.pending.extend(pending[max(start - n_claims, 0) : max(end - n_claims, 0)])
         if end < n_claims + len(pending):

@@ -237,14 +237,19 @@ def test_exclusions_are_honoured_and_shown_in_the_evidence(bw: Bw) -> None:
     p = bw.up(NAME, "--exclude", "*.log", "--exclude", "wandb/*")
     (p["watch"] / "best.bin").write_bytes(b"kept")
     (p["watch"] / "train.log").write_bytes(b"noise")
-    (p["watch"] / "wandb").mkdir()
+    (p["watch"] / "wandb" / "deep").mkdir(parents=True)
     (p["watch"] / "wandb" / "run.db").write_bytes(b"noise")
+    # '*' crosses '/': a checkpoint deep under an excluded dir is excluded too, and named.
+    (p["watch"] / "wandb" / "deep" / "best.pt").write_bytes(b"left out by the user's pattern")
     bw.wait_durable(NAME, 1)
     pull_verify(bw)
     doc = dry(bw)
     assert doc["allowed"] is True, doc["reasons"]
     line = next(c for c in doc["checks"] if c["check"] == "exclusions")
-    assert "2 files excluded by *.log, wandb/*" in line["detail"]
+    assert (
+        line["detail"]
+        == "3 files excluded by *.log, wandb/* (given at up): train.log, wandb/deep/best.pt, wandb/run.db"
+    )
     bw.ok("down", NAME, "--confirm", NAME)
     assert (p["watch"] / "train.log").exists() and (p["watch"] / "wandb" / "run.db").exists()
 

@@ -170,3 +170,23 @@ def test_pull_says_which_files_it_replaced_with_newer_bytes_from_the_box(bw: Bw)
     assert "replaced 1 file(s) an earlier pull put here with the box's newer bytes" in r.stderr
     assert "newest): x.bin\n" in r.stderr
     assert (pulled / "x.bin").read_bytes() == b"EVIL" * 100
+
+
+def test_a_retired_file_deleted_locally_is_dropped_by_the_next_pull(bw: Bw) -> None:
+    p = bw.up(NAME)
+    (p["watch"] / "old.bin").write_bytes(b"rotated away")
+    (p["watch"] / "new.bin").write_bytes(b"kept")
+    bw.wait_durable(NAME, 2)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    (p["watch"] / "old.bin").unlink()
+    wait_until(lambda: len(bw.artifacts(NAME)["claims"]) == 1, what="the claim of old.bin to end")
+    bw.ok("pull", NAME, "--to", str(pulled))
+    (pulled / "old.bin").unlink()  # the user does not want it
+    v = bw("verify", str(pulled), "--json")
+    assert v.returncode == 3
+    (reason,) = json.loads(v.stdout)["reasons"]
+    assert (reason["code"], reason["path"]) == ("MISSING", "old.bin") and "pull again" in reason["detail"]
+    bw.ok("pull", NAME, "--to", str(pulled))
+    assert json.loads((pulled / "MANIFEST.json").read_text())["retired"] == []
+    bw.ok("verify", str(pulled))

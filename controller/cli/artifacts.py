@@ -49,6 +49,7 @@ async def _listing_json(pages: AsyncIterable[pb.ListArtifactsResponse | None]) -
         if not page.next_page_token:
             for field in ("manifest_digest", "seq", "total_claims", "total_pending", "excluded_files"):
                 setattr(head, field, getattr(page, field))
+            head.excluded_sample.extend(page.excluded_sample)
     doc = _to_dict(head)
     del doc["claims"]
     # "claims" sorts first among the response's fields.

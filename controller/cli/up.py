@@ -49,7 +49,8 @@ from controller.cli.options import json_flag, open_state, roster_option
     multiple=True,
     metavar="PATTERN",
     help="Never claim, pull or delete files matching this glob (repeat): without '/' it matches the base "
-    "name, with '/' the path under the watched dir. Shown in the gate's evidence.",
+    "name, with '/' the path under the watched dir; '*' also matches '/', so 'logs/*' leaves out "
+    "everything under logs/. The gate's evidence names the files left out.",
 )
 @roster_option
 @json_flag

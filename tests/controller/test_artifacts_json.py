@@ -57,9 +57,16 @@ pendings = st.builds(pb.Pending, path=st.text(), state=st.sampled_from([1, 2, 3,
     size=st.integers(1, 4),
     restart=st.booleans(),
     excluded=INT64,
+    sample=st.lists(st.text(), max_size=3),
 )
 def test_the_listing_written_page_by_page_is_the_merged_listing_dumped(
-    stale: list[pb.Claim], cs: list[pb.Claim], ps: list[pb.Pending], size: int, restart: bool, excluded: int
+    stale: list[pb.Claim],
+    cs: list[pb.Claim],
+    ps: list[pb.Pending],
+    size: int,
+    restart: bool,
+    excluded: int,
+    sample: list[str],
 ) -> None:
     """Pages as the sidecar sends them (claims first, the totals only from the page with the last
     claim on), after a restart marker that must drop what came before it."""
@@ -71,6 +78,7 @@ def test_the_listing_written_page_by_page_is_the_merged_listing_dumped(
         total_claims=len(cs),
         total_pending=len(ps),
         excluded_files=excluded,
+        excluded_sample=sample,
     )
     entries: list[pb.Claim | pb.Pending] = [*cs, *ps]
     pages = []
@@ -81,6 +89,7 @@ def test_the_listing_written_page_by_page_is_the_merged_listing_dumped(
         page.pending.extend(e for e in part if isinstance(e, pb.Pending))
         if start + size >= len(cs):
             page.total_pending, page.excluded_files = len(ps), excluded
+            page.excluded_sample.extend(sample)
         if start + size < len(entries):
             page.next_page_token = f"t:{start + size}"
         pages.append(page)

@@ -467,6 +467,7 @@ class ListArtifactsResponse(_message.Message):
     TOTAL_CLAIMS_FIELD_NUMBER: _builtins.int
     TOTAL_PENDING_FIELD_NUMBER: _builtins.int
     EXCLUDED_FILES_FIELD_NUMBER: _builtins.int
+    EXCLUDED_SAMPLE_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
     """Manifest digest of ALL the snapshot's claims (see MANIFEST CANONICAL FORM above); every page
     carries it.
@@ -493,6 +494,12 @@ class ListArtifactsResponse(_message.Message):
     def pending(self) -> _containers.RepeatedCompositeFieldContainer[Global___Pending]:
         """Entries of the watched directories that are not covered by a claim, this page's share."""
 
+    @_builtins.property
+    def excluded_sample(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The first of them by path (at most 20, display form), so that the evidence names what a
+        pattern leaves out; set with excluded_files.
+        """
+
     def __init__(
         self,
         *,
@@ -504,10 +511,11 @@ class ListArtifactsResponse(_message.Message):
         total_claims: _builtins.int = ...,
         total_pending: _builtins.int = ...,
         excluded_files: _builtins.int = ...,
+        excluded_sample: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "excluded_files", b"excluded_files", "manifest_digest", b"manifest_digest", "next_page_token", b"next_page_token", "pending", b"pending", "seq", b"seq", "total_claims", b"total_claims", "total_pending", b"total_pending"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "excluded_files", b"excluded_files", "excluded_sample", b"excluded_sample", "manifest_digest", b"manifest_digest", "next_page_token", b"next_page_token", "pending", b"pending", "seq", b"seq", "total_claims", b"total_claims", "total_pending", b"total_pending"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
