@@ -244,7 +244,12 @@ def verdict(v: Verdict, *, dry_run: bool) -> None:
         t.add_row(ch.name, "[green]ok[/]" if ch.ok else "[red]FAIL[/]", esc(ch.detail))
     c.print(t)
     if v.allowed:
-        tail = " (dry run: nothing was done; confirm with --confirm " + v.box + ")" if dry_run else ""
+        tail = (
+            f" (dry run: nothing was done; `down {v.box} --confirm {v.box}` first proves every durable "
+            "copy again by reading it back, and refuses if one no longer hashes equal)"
+            if dry_run
+            else ""
+        )
         c.print(f"[bold green]ALLOWED[/]: {v.box} may be torn down{tail}")
     else:
         c.print(f"[bold red]REFUSED[/]: {v.box} must not be torn down yet:")

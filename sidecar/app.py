@@ -45,6 +45,21 @@ PUSH_RETRY_S = (1.0, 2.0, 5.0, 15.0, 30.0)
 MAX_MESSAGE = 8 << 20
 
 
+def _mount_signatures(ledger: Ledger, s: Settings) -> dict[Path, str]:
+    """Each watched dir's mount signature as this ledger first recorded it in this boot (a mount
+    made while no sidecar ran is still a change); recorded now if there is none for this boot."""
+    boot = mounts.boot_id()
+    out = {}
+    for root, now in mounts.signatures(s.watch_dirs, mounts.read()).items():
+        key = f"watch-mounts:{root}"
+        recorded_boot, _, recorded = (ledger.meta(key) or "").partition(" ")
+        if not boot or recorded_boot != boot or not recorded:
+            ledger.set_meta(key, f"{boot or '-'} {now}")
+            recorded = now
+        out[root] = recorded
+    return out
+
+
 async def supervise(name: str, work: Callable[[], Awaitable[None]]) -> None:
     """Run a worker forever; an exception is logged with its traceback, then it restarts with backoff."""
     delay = 0.5
@@ -161,13 +176,9 @@ async def run(s: Settings) -> None:
     children.install_reaper(loop)
     jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans)
     await jobs.recover()
-    # What is mounted at each watched dir when this ledger first saw it: a mount over one later
-    # (or one taken away) would hide files from every check.
-    marks = {
-        root: ledger.meta_default(f"watch-mark:{root}", mark)
-        for root, mark in mounts.marks(s.watch_dirs, mounts.mount_counts()).items()
-    }
-    namer = ArtifactNamer(s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_marks=marks)
+    namer = ArtifactNamer(
+        s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_signatures=_mount_signatures(ledger, s)
+    )
     sealer = Sealer(
         namer=namer,
         ledger=ledger,

@@ -1,34 +1,47 @@
-"""What is mounted at a watched dir, so that a filesystem mounted over it (or taken away from it)
-after the box came up is seen: either one hides what the other holds from every check.
+"""What is mounted on and inside a watched dir, so that a mount that hides files is seen.
 
-A watched dir's mark is its device and the number of mounts stacked at its path (from
-/proc/self/mountinfo, which a same-filesystem bind mount changes even though the device does not).
-The first sidecar of a ledger records each watched dir's mark; every walk compares.
+A filesystem mounted over a watched dir or over a directory above it (the workdir), swapped for
+another, or taken away after the box came up shows the sidecar another tree than the one it was
+watching: what the other one holds is hidden from every check. So is whatever lies under a mount
+point inside a watched dir. Both are told from /proc/self/mountinfo, which lists every mount with its
+own id, so a bind mount from the same filesystem (same device) is seen as well as a tmpfs.
+
+A watched dir's *signature* is its device and the mounts stacked at its path and at every
+directory above it, each as its id, device and root within its filesystem (an id freed by an
+unmount is soon given to the next mount, so a swapped bind mount is told apart by the directory it
+shows). The first sidecar of a ledger records each signature with the boot id; a later sidecar in
+the same boot compares against that record (so a mount made while no sidecar ran is seen too), and
+after a reboot, when every id and device number is new, records afresh.
 """
 
 from __future__ import annotations
 
 import os
-from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 MOUNTINFO = "/proc/self/mountinfo"
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+Mounts = dict[str, list[str]]
+"""Mount point path -> the mounts stacked there, in mountinfo's order, each "ID:MAJOR:MINOR:ROOT"."""
 
 
-def mount_counts(mountinfo: str = MOUNTINFO) -> Counter[str] | None:
-    """How many mounts are stacked at each mount point; None if mountinfo cannot be read."""
+def read(mountinfo: str = MOUNTINFO) -> Mounts | None:
+    """Every mount point and the mounts stacked there; None if mountinfo cannot be read."""
     try:
         with open(mountinfo, "rb") as f:
             data = f.read()
     except OSError:
         return None
-    counts: Counter[str] = Counter()
+    points: Mounts = {}
     for line in data.splitlines():
         fields = line.split(b" ", 5)
-        if len(fields) >= 5:
-            counts[unescape(os.fsdecode(fields[4]))] += 1
-    return counts
+        if len(fields) < 5 or not fields[0].isdigit():
+            continue
+        mount = f"{int(fields[0])}:{os.fsdecode(fields[2])}:{unescape(os.fsdecode(fields[3]))}"
+        points.setdefault(unescape(os.fsdecode(fields[4])), []).append(mount)
+    return points
 
 
 def unescape(field: str) -> str:
@@ -37,8 +50,9 @@ def unescape(field: str) -> str:
         return field
     out, i = [], 0
     while i < len(field):
-        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and len(field[i + 1 : i + 4]) == 3:
-            out.append(chr(int(field[i + 1 : i + 4], 8)))
+        code = field[i + 1 : i + 4]
+        if field[i] == "\\" and len(code) == 3 and code.isdigit():
+            out.append(chr(int(code, 8)))
             i += 4
         else:
             out.append(field[i])
@@ -46,25 +60,53 @@ def unescape(field: str) -> str:
     return "".join(out)
 
 
-def marks(roots: Iterable[Path], counts: Counter[str] | None) -> dict[Path, str]:
-    """Each root's mark now ("device:mounts"); a root that cannot be looked at is left out (the
-    walk reports it). Without mountinfo the count is "?": only the device is compared then."""
+def boot_id() -> str:
+    try:
+        with open(BOOT_ID, encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def signatures(roots: Iterable[Path], points: Mounts | None) -> dict[Path, str]:
+    """Each root's signature now: "DEV|PATH=MOUNT,MOUNT|..." over the root and the directories above it
+    that are mount points. A root that cannot be looked at is left out (the walk reports it).
+    Without mountinfo only the device is there."""
     out: dict[Path, str] = {}
     for root in roots:
         try:
             dev = os.lstat(root).st_dev
         except OSError:
             continue
-        out[root] = f"{dev}:{'?' if counts is None else counts.get(str(root), 0)}"
+        parts = [str(dev)]
+        if points is not None:
+            for here in (root, *root.parents):
+                ids = points.get(str(here))
+                if ids:
+                    parts.append(f"{here}={','.join(ids)}")
+        out[root] = "|".join(parts)
     return out
 
 
-def changed(recorded: str, now: str) -> str | None:
-    """Why a root's mark `now` is not the one recorded when the box came up; None if it is."""
-    dev_then, _, n_then = recorded.partition(":")
-    dev_now, _, n_now = now.partition(":")
-    if dev_then != dev_now:
-        return "it is on another filesystem than when the box came up (a mount over it, or one taken away)"
-    if "?" not in (n_then, n_now) and n_then != n_now:
-        return f"{n_then} mounts were stacked on it when the box came up, {n_now} now"
-    return None
+def changed(then: str, now: str) -> str | None:
+    """Why a root's signature `now` is not the one recorded when the box came up; None if it is."""
+    if then == now:
+        return None
+    if then.split("|", 1)[0] != now.split("|", 1)[0]:
+        return "it is on another filesystem than when the box came up"
+    return (
+        "a filesystem was mounted on it or on a directory above it, swapped or taken away since the box "
+        f"came up (mounts then: {_shown(then)}; now: {_shown(now)})"
+    )
+
+
+def _shown(signature: str) -> str:
+    return ", ".join(signature.split("|")[1:]) or "none"
+
+
+def inside(root: Path, points: Mounts | None) -> list[str]:
+    """Mount points strictly under `root` (directories or files, any filesystem), by path."""
+    if points is None:
+        return []
+    prefix = str(root).rstrip("/") + "/"
+    return sorted(p for p in points if p.startswith(prefix) and p != str(root))

@@ -111,12 +111,12 @@ class ArtifactNamer:
         watch_dirs: tuple[Path, ...],
         temp_patterns: tuple[str, ...] = DEFAULT_TEMP_PATTERNS,
         exclude_patterns: tuple[str, ...] = (),
-        root_marks: Mapping[Path, str] | None = None,
+        root_signatures: Mapping[Path, str] | None = None,
     ) -> None:
-        """`root_marks`: each watched dir's mark (see sidecar.mounts) when the box came up; a walk
-        that finds another reports the dir as unclaimable."""
+        """`root_signatures`: each watched dir's mount signature (see sidecar.mounts) when the box
+        came up; a walk that finds another reports the dir as unclaimable."""
         self._roots = watch_dirs
-        self._marks = dict(root_marks or {})
+        self._signatures = dict(root_signatures or {})
         self._prefixed = len(watch_dirs) > 1
         # Each pattern list as one compiled regex: a walk classifies 100,000 names.
         self._temp = _any_of(temp_patterns)
@@ -223,18 +223,21 @@ class ArtifactNamer:
         (EACCES, EIO) or a path too long to open is reported as unclaimable with the reason. No
         symlink is followed."""
         out: list[Entry] = []
-        if self._marks:
-            now = mounts.marks(self._roots, mounts.mount_counts())
-            for root, then in self._marks.items():
-                why = mounts.changed(then, now[root]) if root in now else None
-                if why is not None:
-                    out.append(
-                        self._problem(
-                            root,
-                            f"the watched directory changed under its path: {why}. What the other "
-                            "filesystem holds is hidden from every check: put the mounts back as they were",
-                        )
+        points = mounts.read()
+        now = mounts.signatures(self._roots, points) if self._signatures else {}
+        for root in self._roots:
+            then = self._signatures.get(root)
+            why = mounts.changed(then, now[root]) if then is not None and root in now else None
+            if why is not None:
+                out.append(
+                    self._problem(
+                        root,
+                        f"the watched directory changed under its path: {why}. What the other tree "
+                        "holds is hidden from every check: put the mounts back as they were",
                     )
+                )
+            for point in mounts.inside(root, points):
+                out.append(self._problem(Path(point), _MOUNT_INSIDE))
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
@@ -267,13 +270,7 @@ class ArtifactNamer:
                     if stat.S_ISDIR(st.st_mode):
                         if st.st_dev != dev:
                             # Another filesystem mounted here hides whatever this one holds below it.
-                            out.append(
-                                self._problem(
-                                    Path(e.path),
-                                    "a mount point inside a watched dir: files of the filesystem under "
-                                    "it are hidden from every check; unmount it, or watch it on its own",
-                                )
-                            )
+                            out.append(self._problem(Path(e.path), _MOUNT_INSIDE))
                         stack.append((e.path, f"{prefix}{e.name}/", st.st_dev))
                     elif stat.S_ISREG(st.st_mode):
                         out.append(self._file(e.path, st, prefix + e.name))
@@ -319,6 +316,12 @@ class ArtifactNamer:
         if self.is_excluded(art):
             return Entry(art, str(p), None, "excluded", "matches an exclude pattern given at up")
         return Entry(art, str(p), None, "unclaimable", why)
+
+
+_MOUNT_INSIDE = (
+    "a mount point inside a watched dir: what lies under it is hidden from every check; unmount it, "
+    "or watch it on its own"
+)
 
 
 def _any_of(patterns: tuple[str, ...]) -> re.Pattern[str] | None:

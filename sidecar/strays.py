@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from sidecar import proctree
 from sidecar.openfiles import fd_paths
 
+_MAX_DEPTH = 256  # directories above a working directory that are looked at
+
 
 @dataclass(frozen=True, slots=True)
 class Stray:
@@ -51,23 +53,28 @@ class _Roots:
     def by_path(self, path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
 
-    def holds(self, path: str) -> bool:
-        """`path` (a directory) is a root or under one, however it is spelled."""
-        if self.by_path(path):
+    def holds_cwd(self, pid: int, cwd: str) -> bool:
+        """Process `pid` works in a root or under one, however it is spelled: by the path it reads
+        as here, or by the device and inode of its working directory and each one above it, looked
+        at through /proc/PID/cwd, which leads into the process's own mount namespace (a container
+        that bind-mounted a watched dir works in it under a path that does not exist here)."""
+        if self.by_path(cwd):
             return True
-        cur = path
-        while True:
+        here = f"/proc/{pid}/cwd"
+        seen: tuple[int, int] | None = None
+        for _ in range(_MAX_DEPTH):
             try:
-                st = os.stat(cur)
+                st = os.stat(here)
             except OSError:
-                pass
-            else:
-                if (st.st_dev, st.st_ino) in self.ids:
-                    return True
-            parent = os.path.dirname(cur)
-            if parent == cur:
                 return False
-            cur = parent
+            ident = (st.st_dev, st.st_ino)
+            if ident in self.ids:
+                return True
+            if ident == seen:  # ".." of its root is its root
+                return False
+            seen = ident
+            here += "/.."
+        return False
 
 
 def find(
@@ -93,7 +100,7 @@ def find(
             cwd = os.readlink(f"/proc/{p.pid}/cwd")
         except OSError:  # gone, or not ours to look at
             continue
-        why = f"works in {cwd}" if where.holds(cwd) else _holds_open(p.pid, where)
+        why = f"works in {cwd}" if where.holds_cwd(p.pid, cwd) else _holds_open(p.pid, where)
         if why:
             out.append(Stray(p.pid, _command(p.pid), cwd, ticks_to_unix_ns(p.start_ticks), why))
     return sorted(out, key=lambda s: s.pid)

@@ -1,11 +1,14 @@
-"""Adversarial review 4: each test is a way the real CLI lost data, allowed `down` wrongly or
-refused wrongly before its fix (the findings are in issue 6's closing note)."""
+"""Adversarial reviews 4 and 5: each test is a way the real CLI lost data, allowed `down` wrongly
+or refused wrongly before its fix (the findings are in issue 6's closing note)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import subprocess
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -190,3 +193,99 @@ def test_a_retired_file_deleted_locally_is_dropped_by_the_next_pull(bw: Bw) -> N
     bw.ok("pull", NAME, "--to", str(pulled))
     assert json.loads((pulled / "MANIFEST.json").read_text())["retired"] == []
     bw.ok("verify", str(pulled))
+
+
+# -- review 5: same-filesystem bind mounts, and a stray in another mount namespace ----------------
+
+
+def unclaimable(bw: Bw, name: str = NAME) -> dict[str, str]:
+    return {r["path"]: r["detail"] for r in dry(bw, name)["reasons"] if r["code"] == "UNCLAIMABLE"}
+
+
+@contextlib.contextmanager
+def bind(src: Path, dst: Path) -> Iterator[None]:
+    subprocess.run(["mount", "--bind", str(src), str(dst)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(dst)], check=True)
+
+
+def test_a_same_filesystem_bind_mount_over_the_workdir_refuses_down(bw: Bw) -> None:
+    p = bw.up(NAME)
+    (p["watch"] / "e1.bin").write_bytes(b"epoch 1")
+    bw.wait_durable(NAME, 1)
+    shadow = bw.cwd.parent / "shadow"
+    (shadow / "ckpt").mkdir(parents=True)
+    (shadow / "ckpt" / "e1.bin").write_bytes(b"epoch 1")
+    (p["watch"] / "e2.bin").write_bytes(b"epoch 2, hidden under the mount")
+    with bind(shadow, bw.cwd):
+        found = wait_until(lambda: unclaimable(bw).get("."), what="the mount over the workdir reported")
+        assert "mounted on it or on a directory above it" in found
+        assert bw("down", NAME, "--confirm", NAME).returncode == 3
+    wait_until(lambda: not unclaimable(bw), what="the mount gone")
+
+
+def test_a_swapped_bind_mount_over_the_watched_dir_refuses_down(tmp_path: Path, bw: Bw) -> None:
+    a, b = tmp_path / "srcA", tmp_path / "srcB"
+    a.mkdir()
+    b.mkdir()
+    watch = bw.cwd / "ckpt"
+    watch.mkdir()
+    with bind(a, watch):
+        bw.up(NAME)
+        (watch / "a.bin").write_bytes(b"a")
+        bw.wait_durable(NAME, 1)
+        assert not unclaimable(bw)
+    (a / "b.bin").write_bytes(b"never sealed: under the swapped mount")
+    (b / "a.bin").write_bytes(b"a")
+    with bind(b, watch):
+        found = wait_until(lambda: unclaimable(bw).get("."), what="the swapped mount reported")
+        assert "swapped" in found
+    with bind(a, watch):  # the original mount back: nothing hidden any more
+        wait_until(lambda: "." not in unclaimable(bw), what="the original mount accepted again")
+
+
+def test_a_same_filesystem_bind_mount_inside_a_watched_dir_is_unclaimable(tmp_path: Path, bw: Bw) -> None:
+    p = bw.up(NAME)
+    cell = p["watch"] / "cell-b"
+    cell.mkdir()
+    (cell / "b1.bin").write_bytes(b"b1")
+    bw.wait_durable(NAME, 1)
+    (cell / "b2.bin").write_bytes(b"b2, hidden under the mount")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "b1.bin").write_bytes(b"b1")
+    with bind(other, cell):
+        found = wait_until(lambda: unclaimable(bw).get("cell-b"), what="the mount point named")
+        assert "a mount point inside a watched dir" in found
+        assert bw("down", NAME, "--confirm", NAME).returncode == 3
+
+
+def test_a_process_in_another_mount_namespace_working_in_the_watched_dir_is_a_stray(
+    tmp_path: Path, bw: Bw
+) -> None:
+    """A container that bind-mounted the watched dir at a path of its own and works there."""
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    assert dry(bw)["allowed"] is True
+    inside = tmp_path / "ctr"  # empty here; the watched dir inside the namespace
+    inside.mkdir()
+    script = f"mount --bind {p['watch']} {inside} && cd {inside} && exec sleep 600"
+    proc = subprocess.Popen(["unshare", "-m", "--propagation", "private", "sh", "-c", script])
+    try:
+
+        def stray_seen() -> dict[str, Any] | None:
+            doc = dry(bw)
+            return doc if any(r["code"] == "JOB_RUNNING" for r in doc["reasons"]) else None
+
+        doc = wait_until(stray_seen, what="the process in the other namespace seen as a stray")
+        (reason,) = [r for r in doc["reasons"] if r["code"] == "JOB_RUNNING"]
+        assert f"works in {inside}" in reason["detail"]
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,5 +1,5 @@
-"""sidecar.mounts: a watched dir's mark and what counts as a change of it (pure, with a mountinfo
-written here)."""
+"""sidecar.mounts: a watched dir's mount signature and what counts as a change of it (pure, with a
+mountinfo written here), and the mount points inside a watched dir."""
 
 from __future__ import annotations
 
@@ -9,33 +9,56 @@ import pytest
 
 from sidecar import mounts
 
-LINE = "{id} 1 0:{dev} / {point} rw,relatime shared:1 - tmpfs tmpfs rw\n"
+LINE = "{id} 1 0:{dev} {root} {point} rw,relatime shared:1 - ext4 /dev/vda rw\n"
 
 
-def test_mount_counts_stack_and_unescape(tmp_path: Path) -> None:
-    info = tmp_path / "mountinfo"
-    info.write_text(
-        LINE.format(id=1, dev=20, point="/")
-        + LINE.format(id=2, dev=21, point="/w/ckpt")
-        + LINE.format(id=3, dev=22, point="/w/ckpt")
-        + LINE.format(id=4, dev=23, point=r"/w/with\040space")
+def info(tmp_path: Path, *rows: tuple[int, int, str, str]) -> mounts.Mounts:
+    path = tmp_path / "mountinfo"
+    path.write_text("".join(LINE.format(id=i, dev=d, root=r, point=p) for i, d, r, p in rows))
+    found = mounts.read(str(path))
+    assert found is not None
+    return found
+
+
+def test_read_stacks_and_unescapes(tmp_path: Path) -> None:
+    points = info(
+        tmp_path,
+        (1, 20, "/", "/"),
+        (2, 21, "/", "/w/ckpt"),
+        (3, 20, "/srv/a", "/w/ckpt"),
+        (4, 23, "/", r"/w/with\040space"),
     )
-    counts = mounts.mount_counts(str(info))
-    assert counts is not None
-    assert (counts["/"], counts["/w/ckpt"], counts["/w/with space"], counts["/w"]) == (1, 2, 1, 0)
-    assert mounts.mount_counts(str(tmp_path / "missing")) is None
+    assert points == {
+        "/": ["1:0:20:/"],
+        "/w/ckpt": ["2:0:21:/", "3:0:20:/srv/a"],
+        "/w/with space": ["4:0:23:/"],
+    }
+    assert mounts.read(str(tmp_path / "missing")) is None
+
+
+def test_a_signature_covers_the_root_and_every_directory_above_it(tmp_path: Path) -> None:
+    root = tmp_path / "w" / "ckpt"
+    root.mkdir(parents=True)
+    dev = root.stat().st_dev
+    points = info(
+        tmp_path, (1, 20, "/", "/"), (5, 20, "/srv/w", str(tmp_path / "w")), (6, 9, "/", "/elsewhere")
+    )
+    (sig,) = mounts.signatures([root], points).values()
+    assert sig == f"{dev}|{tmp_path / 'w'}=5:0:20:/srv/w|/=1:0:20:/"  # from the root up
+    assert mounts.signatures([tmp_path / "gone"], points) == {}
+    assert mounts.signatures([root], None) == {root: str(dev)}
 
 
 @pytest.mark.parametrize(
     ("then", "now", "why"),
     [
-        ("10:0", "10:0", None),
-        ("10:1", "10:1", None),
-        ("10:0", "11:1", "another filesystem"),
-        ("10:0", "10:1", "0 mounts were stacked on it when the box came up, 1 now"),
-        ("10:2", "10:1", "2 mounts were stacked"),
-        ("10:?", "10:3", None),  # mountinfo unreadable at up: only the device is compared
-        ("10:1", "11:?", "another filesystem"),
+        ("10|/=1:0:20:/", "10|/=1:0:20:/", None),
+        ("10|/=1:0:20:/", "11|/=1:0:20:/|/w/ckpt=7:0:30:/", "another filesystem"),
+        # A same-filesystem bind mount over the workdir: the device stays, a mount appears.
+        ("10|/=1:0:20:/", "10|/=1:0:20:/|/w=7:0:20:/shadow", "mounted on it or on a directory above"),
+        # The bind mount swapped for another one that got the freed id: its root tells them apart.
+        ("10|/w/ckpt=7:0:20:/srcA", "10|/w/ckpt=7:0:20:/srcB", "swapped"),
+        ("10|/=1:0:20:/|/w=7:0:20:/x", "10|/=1:0:20:/", "taken away"),
     ],
 )
 def test_changed(then: str, now: str, why: str | None) -> None:
@@ -45,8 +68,14 @@ def test_changed(then: str, now: str, why: str | None) -> None:
         assert found is not None and why in found
 
 
-def test_marks_leave_out_a_root_that_is_gone(tmp_path: Path) -> None:
-    here = tmp_path / "ckpt"
-    here.mkdir()
-    got = mounts.marks([here, tmp_path / "gone"], mounts.mount_counts())
-    assert list(got) == [here] and got[here] == f"{here.stat().st_dev}:0"
+def test_inside_lists_mount_points_strictly_under_the_root(tmp_path: Path) -> None:
+    points = info(
+        tmp_path,
+        (1, 20, "/", "/"),
+        (2, 20, "/x", "/w/ckpt"),
+        (3, 20, "/y", "/w/ckpt/cell-b"),
+        (4, 20, "/z", "/w/ckpt/f.bin"),
+        (5, 20, "/q", "/w/ckptx"),
+    )
+    assert mounts.inside(Path("/w/ckpt"), points) == ["/w/ckpt/cell-b", "/w/ckpt/f.bin"]
+    assert mounts.inside(Path("/w/ckpt"), None) == []
