@@ -148,7 +148,9 @@ async def up(
     if instance_id is not None and not templates.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
         raise UsageError(f"instance id {instance_id!r} is not allowed: letters, digits, '.', '_', ':', '-'")
     old = state.find(name)
-    running = old is not None and old.status == "up"
+    # A box whose teardown was interrupted is the same box and run: `up` brings its sidecar back so
+    # that a later `down` can finish the teardown with the tree it already pulled and verified.
+    running = old is not None and old.status in ("up", "tearing-down")
     if running and old is not None:
         same_file = str(profile_file.resolve()) if profile_file else ""
         if old.profile != prof.name or old.profile_file != same_file:
@@ -304,7 +306,7 @@ def _same_claims(
             f"{name} keeps its durable copies in {live.durable}; `down` it before changing --durable "
             "(its claims are about those)"
         )
-    if run_id is not None and live.status == "up" and run_id != live.run_id:
+    if run_id is not None and live.status in ("up", "tearing-down") and run_id != live.run_id:
         raise UsageError(f"{name} is running run {live.run_id}; `down` it before starting run {run_id}")
 
 

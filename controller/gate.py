@@ -224,7 +224,12 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
 
     if reachable:
         for j in ev.jobs:
-            reasons.append(Reason("JOB_RUNNING", detail=f"job {j.id} (pid {j.pid}) {' '.join(j.argv)[:80]}"))
+            live = " ".join(map(str, j.live_pids)) or str(j.pid)
+            reasons.append(
+                Reason(
+                    "JOB_RUNNING", detail=f"job {j.id} (pid {j.pid}; live: {live}) {' '.join(j.argv)[:80]}"
+                )
+            )
         for x in ev.strays:
             reasons.append(
                 Reason(

@@ -42,6 +42,10 @@ class JobRecord:
     # [pid, start ticks] of the orphans the sidecar (their subreaper) gave this job: after a
     # sidecar restart they are init's children, and only this record still ties them to the job.
     adopted: list[list[int]] = field(default_factory=list)
+    # [session id, its leader's start ticks or 0] of every session a process of this job was seen
+    # in: a process in one is the job's even once it was reparented to init with its environment
+    # cleared (an orphan's child, after a sidecar restart made init their reaper).
+    sessions: list[list[int]] = field(default_factory=list)
 
 
 class JobStore(Protocol):

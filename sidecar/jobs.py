@@ -413,15 +413,35 @@ class JobSupervisor:
         new = sorted([pid, table.procs[pid].start_ticks] for pid in given - adopted if pid in table.procs)
         if new:
             self._remember_adopted(job, new)
-        return proctree.members(
-            table,
-            self._tagged[1],
-            job_id=job.id,
-            leader_pid=job.pid,
-            leader_ticks=job.proc_start_ticks,
-            exclude=(self._me,),
-            orphans=given | adopted,
-        )
+        known = {(sid, ticks) for sid, ticks in self._jobs.get(job.id, job).sessions}
+        while True:  # a session's processes may have started sessions of their own
+            found = proctree.members(
+                table,
+                self._tagged[1],
+                job_id=job.id,
+                leader_pid=job.pid,
+                leader_ticks=job.proc_start_ticks,
+                exclude=(self._me,),
+                orphans=given | adopted,
+                sessions=known,
+            )
+            led = {s for s in proctree.sessions_of(table, found) if s[0] != job.pid} - known
+            if not led:
+                return found
+            known |= led
+            if job.id in self._jobs:
+                self._remember_sessions(job, sorted([sid, ticks] for sid, ticks in led))
+
+    def _remember_sessions(self, job: JobRecord, new: list[list[int]]) -> None:
+        """Record sessions the job's processes lead, before anything else: after a restart, a
+        process left in one (its leader gone, itself reparented to init) is still the job's."""
+        live = self._jobs[job.id]
+        record = dataclasses.replace(live, sessions=live.sessions + new)
+        self._jobs[job.id] = record
+        try:
+            self._store.save_job(record)
+        except Exception:
+            logger.exception("could not record the sessions of job %s", job.id)
 
     def _remember_adopted(self, job: JobRecord, new: list[list[int]]) -> None:
         """Record orphans given to `job` before anything else: a restart must still find them."""

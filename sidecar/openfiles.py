@@ -72,13 +72,15 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
             out.add(shown)
 
 
-def fd_paths(pid: str) -> Iterator[tuple[str, str]]:
-    """(fd, path) for each of the process's fds that names a file or directory still linked
-    (sockets, pipes and deleted files left out). PermissionError if its fds may not be read,
+def fd_paths(pid: str, task: str | None = None) -> Iterator[tuple[str, str]]:
+    """(fd, path) for each of the process's fds (or those of its thread `task`, which has a table
+    of its own after unshare(CLONE_FILES)) that names a file or directory still linked (sockets,
+    pipes and deleted files left out). PermissionError if its fds may not be read,
     FileNotFoundError or ProcessLookupError if it is gone."""
     # readlink relative to an open fd directory skips a /proc path walk per fd: the scan is a
     # syscall per fd, and a box runs thousands of them.
-    dir_fd = os.open(f"/proc/{pid}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    where = f"/proc/{pid}/fd" if task is None else f"/proc/{pid}/task/{task}/fd"
+    dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for fd in os.listdir(dir_fd):
             try:

@@ -195,10 +195,18 @@ def members(
     leader_ticks: int,
     exclude: Iterable[int] = (),
     orphans: Iterable[int] = (),
+    sessions: Iterable[tuple[int, int]] = (),
 ) -> list[int]:
     """The job's live processes, sorted; `exclude` (the sidecar itself) never counts. `orphans`:
-    processes reparented to the sidecar that were attributed to this job."""
+    processes reparented to the sidecar that were attributed to this job. `sessions`: (session
+    id, leader start ticks or 0) of sessions the job's processes were seen in (see `sessions_of`):
+    every process in one is the job's, unless its id now names a live stranger (another start
+    time, or any live process where the leader was already gone: the id was reused)."""
     roots = set(tagged.get(job_id, ())) | set(orphans)
+    for sid, ticks in sessions:
+        holder = table.procs.get(sid)
+        if holder is None or (ticks and holder.start_ticks == ticks):
+            roots.update(p.pid for p in table.procs.values() if p.session == sid)
     leader = table.procs.get(leader_pid)
     if leader is not None and leader_ticks and leader.start_ticks == leader_ticks:
         # The PID is still ours (alive or our unreaped zombie): so are its session and group.
@@ -209,6 +217,20 @@ def members(
         roots.update(p.pid for p in table.procs.values() if leader_pid in (p.session, p.pgrp))
     found = table.closure(roots, set(exclude))
     return sorted(pid for pid in found if not table.procs[pid].zombie)
+
+
+def sessions_of(table: ProcTable, pids: Iterable[int]) -> set[tuple[int, int]]:
+    """(session id, its leader's start ticks, 0 if the leader is gone) of the sessions the
+    processes among `pids` are in. A job's processes are only ever in sessions the job started
+    (its leader's, or one a process of it made with setsid())."""
+    out = set()
+    for pid in pids:
+        p = table.procs.get(pid)
+        if p is None or p.session <= 0:
+            continue
+        leader = table.procs.get(p.session)
+        out.add((p.session, leader.start_ticks if leader is not None else 0))
+    return out
 
 
 def orphans_of_jobs(

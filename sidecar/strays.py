@@ -9,7 +9,8 @@ process rarely hides is where it works.
 A stray is a live process, not a member of any job, not the sidecar's own and not the caller's
 (the controller running `down` on this machine, and its shell), whose working directory is the
 workdir, a job's cwd or a watched dir, or lies under one (compared by path and, for bind-mount
-aliases, by device and inode), or which holds any file or directory there open. The rule asks
+aliases and other mount namespaces, by device and inode), or which holds any file or directory
+there open. Every thread counts: one that unshared its cwd or its file table is looked at too. The rule asks
 nothing else, so a shell left standing in the workdir holds the gate too: its line says to leave.
 Processes whose /proc entries cannot be read (other users') are not strays: their open files still
 show through sidecar.openfiles, and a process that works elsewhere and holds nothing open there is
@@ -53,14 +54,15 @@ class _Roots:
     def by_path(self, path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
 
-    def holds_cwd(self, pid: int, cwd: str) -> bool:
-        """Process `pid` works in a root or under one, however it is spelled: by the path it reads
-        as here, or by the device and inode of its working directory and each one above it, looked
-        at through /proc/PID/cwd, which leads into the process's own mount namespace (a container
-        that bind-mounted a watched dir works in it under a path that does not exist here)."""
-        if self.by_path(cwd):
+    def holds_dir(self, link: str, path: str) -> bool:
+        """The directory behind `link` (a /proc/PID/task/TID cwd or root), which reads as `path`
+        here, is a root or under one, however it is spelled: by that path, or by the device and
+        inode of the directory and each one above it, looked at through the link, which leads into
+        the process's own mount namespace (a container that bind-mounted a watched dir works in it
+        under a path that does not exist here)."""
+        if self.by_path(path):
             return True
-        here = f"/proc/{pid}/cwd"
+        here = link
         seen: tuple[int, int] | None = None
         for _ in range(_MAX_DEPTH):
             try:
@@ -100,19 +102,42 @@ def find(
             cwd = os.readlink(f"/proc/{p.pid}/cwd")
         except OSError:  # gone, or not ours to look at
             continue
-        why = f"works in {cwd}" if where.holds_cwd(p.pid, cwd) else _holds_open(p.pid, where)
+        why = _works_there(p.pid, where)
         if why:
             out.append(Stray(p.pid, _command(p.pid), cwd, ticks_to_unix_ns(p.start_ticks), why))
     return sorted(out, key=lambda s: s.pid)
 
 
-def _holds_open(pid: int, where: _Roots) -> str:
+def _works_there(pid: int, where: _Roots) -> str:
+    """Why process `pid` works where the jobs work, "" if it does not. Every thread is looked at:
+    a thread that unshared its filesystem context (CLONE_FS) has its own cwd and root, and one that
+    unshared its file table (CLONE_FILES) its own open files."""
     try:
-        for _fd, target in fd_paths(str(pid)):
-            if where.by_path(target):
-                return f"holds {target} open"
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:  # gone, or not ours to look at
-        pass
+        return ""
+    seen_dirs: set[tuple[str, str]] = set()
+    seen_files: set[str] = set()
+    for tid in sorted(tids, key=lambda t: t != str(pid)):  # the main thread first
+        task = f"/proc/{pid}/task/{tid}"
+        for kind, what in (("cwd", "works in"), ("root", "has its root in")):
+            try:
+                path = os.readlink(f"{task}/{kind}")
+            except OSError:
+                continue
+            if (kind, path) not in seen_dirs:
+                seen_dirs.add((kind, path))
+                if where.holds_dir(f"{task}/{kind}", path):
+                    return f"{what} {path}" + ("" if tid == str(pid) else f" (thread {tid})")
+        try:
+            for _fd, target in fd_paths(str(pid), task=tid):
+                if target in seen_files:
+                    continue
+                seen_files.add(target)
+                if where.by_path(target):
+                    return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
+        except OSError:  # gone, or not ours to look at
+            continue
     return ""
 
 

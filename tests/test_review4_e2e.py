@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import blake3
+import pytest
 
-from tests.conftest import Bw, wait_until
+from controller.state import State
+from controller.teardown import RELEASE
+from tests.conftest import Bw, pid_alive, wait_until
 
 NAME = "box1"
 
@@ -289,3 +295,126 @@ def test_a_process_in_another_mount_namespace_working_in_the_watched_dir_is_a_st
     finally:
         proc.kill()
         proc.wait()
+
+
+# -- review 6: a thread with its own working directory or file table ------------------------------
+
+THREAD_STRAY = """
+import ctypes, os, sys, threading, time
+libc = ctypes.CDLL(None, use_errno=True)
+os.chdir("/")  # the main thread works elsewhere and holds nothing there
+flag, target, ready = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+def worker():
+    assert libc.unshare(flag) == 0, ctypes.get_errno()
+    if flag == 0x200:  # CLONE_FS: a cwd of its own
+        os.chdir(target)
+    else:  # CLONE_FILES: a file table of its own, holding the watched dir
+        fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    open(ready, "w").close()
+    time.sleep(600)
+threading.Thread(target=worker, daemon=True).start()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("flag", "why"), [(0x200, "works in"), (0x400, "holds")])
+def test_a_thread_working_in_the_watched_dir_is_a_stray(tmp_path: Path, bw: Bw, flag: int, why: str) -> None:
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", THREAD_STRAY, str(flag), str(p["watch"]), str(ready)])
+    try:
+        wait_until(ready.exists, what="the thread in the watched dir")
+        reasons = [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
+        assert len(reasons) == 1 and f"pid {proc.pid} " in reasons[0]["detail"], reasons
+        assert f"{why} {p['watch']}" in reasons[0]["detail"] and "(thread " in reasons[0]["detail"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_up_after_an_interrupted_teardown_continues_the_same_run(bw: Bw) -> None:
+    """Review 6, finding 3: the release stopped part-way and the sidecar died; `up` started a new
+    run, so the verified tree no longer counted ("nothing pulled yet", then MANIFEST_STALE)."""
+    p = bw.up(NAME)
+    for i in range(3):
+        (p["watch"] / f"f{i}.bin").write_bytes(bytes([i]) * 100)
+    bw.wait_durable(NAME, 3)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    state = State(bw.home)
+    box = state.get(NAME)
+    # What an interrupted `down` leaves: the release recorded as taken, one file already released.
+    state.step(box.with_(status="tearing-down"), RELEASE, "requested")
+    (p["watch"] / "f0.bin").unlink()
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar gone")
+    bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    again = State(bw.home).get(NAME)
+    assert (again.run_id, again.pulled_dir) == (box.run_id, box.pulled_dir)
+    wait_until(lambda: len(bw.artifacts(NAME)["claims"]) == 2, what="the released file's claim to end")
+    bw.ok("pull", NAME, "--to", str(pulled))  # f0.bin stays, listed as retired
+    bw.ok("verify", str(pulled))
+    bw.ok("down", NAME, "--confirm", NAME)
+    assert State(bw.home).get(NAME).status == "down"
+    assert (pulled / "f0.bin").read_bytes() == bytes([0]) * 100
+
+
+ORPHAN_FORKS_LATER = """
+import os, sys, time
+trigger, out = sys.argv[1], sys.argv[2]
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.chdir("/")
+        while not os.path.exists(trigger):
+            time.sleep(0.05)
+        if os.fork() == 0:  # a clean environment, the same session; its parent exits at once
+            os.execve("/bin/sh", ["sh", "-c", f"sleep 600; echo late > {out}"], {})
+        os._exit(0)
+    os._exit(0)
+"""
+
+
+def test_a_clean_child_of_a_job_orphan_after_a_sidecar_restart_keeps_the_job_running(
+    tmp_path: Path, bw: Bw
+) -> None:
+    """Review 6, finding 2: after a restart the sidecar is no longer its orphans' subreaper; an
+    orphan forked a child with an empty environment and exited, and the child was nobody's."""
+    p = bw.up(NAME)
+    trigger = tmp_path / "trigger"
+    late = str(p["watch"] / "late.bin")
+    bw.ok("run", NAME, "--", sys.executable, "-c", ORPHAN_FORKS_LATER, str(trigger), late)
+    wait_until(lambda: any(r["code"] == "JOB_RUNNING" for r in dry(bw)["reasons"]), what="the orphan tracked")
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar gone")
+    bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    wait_until(
+        lambda: any(r["code"] == "JOB_RUNNING" for r in dry(bw)["reasons"]), what="the orphan re-adopted"
+    )
+    trigger.touch()
+
+    wanted = f"sh\0-c\0sleep 600; echo late > {late}\0".encode()
+
+    def clean_child() -> int | None:
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and (d / "cmdline").read_bytes() == wanted:
+                    return int(d.name)
+            except OSError:
+                continue
+        return None
+
+    child = wait_until(clean_child, what="the clean child")
+    group = os.getpgid(child)  # the orphan's: the shell and its sleep, nothing else of ours
+    try:
+        wait_until(lambda: Path(f"/proc/{child}/stat").read_text().split()[3] == "1", what="it is init's")
+        assert b"BOXWARDEN_JOB_ID" not in Path(f"/proc/{child}/environ").read_bytes()
+        (reason,) = [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
+        assert f" {child} " in reason["detail"].split(")")[0] + " ", reason
+    finally:
+        os.killpg(group, signal.SIGKILL)
