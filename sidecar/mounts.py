@@ -3,15 +3,16 @@
 A filesystem mounted over a watched dir or over a directory above it (the workdir), swapped for
 another, or taken away after the box came up shows the sidecar another tree than the one it was
 watching: what the other one holds is hidden from every check. So is whatever lies under a mount
-point inside a watched dir. Both are told from /proc/self/mountinfo, which lists every mount with its
-own id, so a bind mount from the same filesystem (same device) is seen as well as a tmpfs.
+point inside a watched dir. Both are told from /proc/self/mountinfo, which lists every mount point,
+so a bind mount from the same filesystem (same device) is seen as well as a tmpfs.
 
 A watched dir's *signature* is its device and the mounts stacked at its path and at every
-directory above it, each as its id, device and root within its filesystem (an id freed by an
-unmount is soon given to the next mount, so a swapped bind mount is told apart by the directory it
-shows). The first sidecar of a ledger records each signature with the boot id; a later sidecar in
-the same boot compares against that record (so a mount made while no sidecar ran is seen too), and
-after a reboot, when every id and device number is new, records afresh.
+directory above it, each as its device and root within its filesystem: what the mount shows, so a
+bind mount swapped for another is told apart, and the same one mounted back matches again (mount
+ids are not compared: the kernel reuses them). The first sidecar of a ledger records each
+signature with the boot id; a later sidecar in the same boot compares against that record (so a
+mount made while no sidecar ran is seen too), and after a reboot, when device numbers of
+filesystems without a disk of their own are new, records afresh.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ MOUNTINFO = "/proc/self/mountinfo"
 BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 Mounts = dict[str, list[str]]
-"""Mount point path -> the mounts stacked there, in mountinfo's order, each "ID:MAJOR:MINOR:ROOT"."""
+"""Mount point path -> the mounts stacked there, in mountinfo's order, each "MAJOR:MINOR:ROOT"."""
 
 
 def read(mountinfo: str = MOUNTINFO) -> Mounts | None:
@@ -39,7 +40,7 @@ def read(mountinfo: str = MOUNTINFO) -> Mounts | None:
         fields = line.split(b" ", 5)
         if len(fields) < 5 or not fields[0].isdigit():
             continue
-        mount = f"{int(fields[0])}:{os.fsdecode(fields[2])}:{unescape(os.fsdecode(fields[3]))}"
+        mount = f"{os.fsdecode(fields[2])}:{unescape(os.fsdecode(fields[3]))}"
         points.setdefault(unescape(os.fsdecode(fields[4])), []).append(mount)
     return points
 

@@ -19,7 +19,10 @@ beyond what /proc can tie to a job (the README says so).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
+import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -120,7 +123,9 @@ def _works_there(pid: int, where: _Roots) -> str:
     seen_files: set[str] = set()
     for tid in sorted(tids, key=lambda t: t != str(pid)):  # the main thread first
         task = f"/proc/{pid}/task/{tid}"
-        for kind, what in (("cwd", "works in"), ("root", "has its root in")):
+        main = tid == str(pid)
+        own_fs = main or not _shares(pid, int(tid), _KCMP_FS)
+        for kind, what in (("cwd", "works in"), ("root", "has its root in")) if own_fs else ():
             try:
                 path = os.readlink(f"{task}/{kind}")
             except OSError:
@@ -129,6 +134,8 @@ def _works_there(pid: int, where: _Roots) -> str:
                 seen_dirs.add((kind, path))
                 if where.holds_dir(f"{task}/{kind}", path):
                     return f"{what} {path}" + ("" if tid == str(pid) else f" (thread {tid})")
+        if not main and _shares(pid, int(tid), _KCMP_FILES):
+            continue  # the main thread's table, looked at already: most threads share it
         try:
             for _fd, target in fd_paths(str(pid), task=tid):
                 if target in seen_files:
@@ -139,6 +146,24 @@ def _works_there(pid: int, where: _Roots) -> str:
         except OSError:  # gone, or not ours to look at
             continue
     return ""
+
+
+_KCMP_FILES, _KCMP_FS = 2, 3
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _shares(pid: int, tid: int, kind: int) -> bool:
+    """Whether thread `tid` shares process `pid`'s file table (or cwd and root), by kcmp(2). False
+    when the kernel will not say (no kcmp, a seccomp filter, another architecture): then the
+    thread is looked at on its own."""
+    if _SYS_KCMP is None:
+        return False
+    return int(_libc().syscall(_SYS_KCMP, pid, tid, kind, 0, 0)) == 0
 
 
 def _command(pid: int) -> str:

@@ -29,9 +29,9 @@ def test_read_stacks_and_unescapes(tmp_path: Path) -> None:
         (4, 23, "/", r"/w/with\040space"),
     )
     assert points == {
-        "/": ["1:0:20:/"],
-        "/w/ckpt": ["2:0:21:/", "3:0:20:/srv/a"],
-        "/w/with space": ["4:0:23:/"],
+        "/": ["0:20:/"],
+        "/w/ckpt": ["0:21:/", "0:20:/srv/a"],
+        "/w/with space": ["0:23:/"],
     }
     assert mounts.read(str(tmp_path / "missing")) is None
 
@@ -44,7 +44,7 @@ def test_a_signature_covers_the_root_and_every_directory_above_it(tmp_path: Path
         tmp_path, (1, 20, "/", "/"), (5, 20, "/srv/w", str(tmp_path / "w")), (6, 9, "/", "/elsewhere")
     )
     (sig,) = mounts.signatures([root], points).values()
-    assert sig == f"{dev}|{tmp_path / 'w'}=5:0:20:/srv/w|/=1:0:20:/"  # from the root up
+    assert sig == f"{dev}|{tmp_path / 'w'}=0:20:/srv/w|/=0:20:/"  # from the root up
     assert mounts.signatures([tmp_path / "gone"], points) == {}
     assert mounts.signatures([root], None) == {root: str(dev)}
 
@@ -52,13 +52,13 @@ def test_a_signature_covers_the_root_and_every_directory_above_it(tmp_path: Path
 @pytest.mark.parametrize(
     ("then", "now", "why"),
     [
-        ("10|/=1:0:20:/", "10|/=1:0:20:/", None),
-        ("10|/=1:0:20:/", "11|/=1:0:20:/|/w/ckpt=7:0:30:/", "another filesystem"),
+        ("10|/=0:20:/", "10|/=0:20:/", None),
+        ("10|/=0:20:/", "11|/=0:20:/|/w/ckpt=0:30:/", "another filesystem"),
         # A same-filesystem bind mount over the workdir: the device stays, a mount appears.
-        ("10|/=1:0:20:/", "10|/=1:0:20:/|/w=7:0:20:/shadow", "mounted on it or on a directory above"),
-        # The bind mount swapped for another one that got the freed id: its root tells them apart.
-        ("10|/w/ckpt=7:0:20:/srcA", "10|/w/ckpt=7:0:20:/srcB", "swapped"),
-        ("10|/=1:0:20:/|/w=7:0:20:/x", "10|/=1:0:20:/", "taken away"),
+        ("10|/=0:20:/", "10|/=0:20:/|/w=0:20:/shadow", "mounted on it or on a directory above"),
+        # A bind mount swapped for another: the directory it shows tells them apart.
+        ("10|/w/ckpt=0:20:/srcA", "10|/w/ckpt=0:20:/srcB", "swapped"),
+        ("10|/=0:20:/|/w=0:20:/x", "10|/=0:20:/", "taken away"),
     ],
 )
 def test_changed(then: str, now: str, why: str | None) -> None:
