@@ -433,8 +433,8 @@ class JobSupervisor:
                 self._remember_sessions(job, sorted([sid, ticks] for sid, ticks in led))
 
     def _remember_sessions(self, job: JobRecord, new: list[list[int]]) -> None:
-        """Record sessions the job's processes lead, before anything else: after a restart, a
-        process left in one (its leader gone, itself reparented to init) is still the job's."""
+        """Record sessions the job's processes are in, before anything else: after a restart, a
+        process left in one (reparented to init, its environment cleared) is still the job's."""
         live = self._jobs[job.id]
         record = dataclasses.replace(live, sessions=live.sessions + new)
         self._jobs[job.id] = record
