@@ -412,7 +412,7 @@ class JobSupervisor:
         adopted = {pid for pid, ticks in recorded if table.live(pid, ticks)}
         new = sorted([pid, table.procs[pid].start_ticks] for pid in given - adopted if pid in table.procs)
         if new:
-            self._remember_adopted(job, new)
+            self._remember(job, "adopted", new, "orphans")
         known = {(sid, ticks) for sid, ticks in self._jobs.get(job.id, job).sessions}
         while True:  # a session's processes may have started sessions of their own
             found = proctree.members(
@@ -430,28 +430,19 @@ class JobSupervisor:
                 return found
             known |= led
             if job.id in self._jobs:
-                self._remember_sessions(job, sorted([sid, ticks] for sid, ticks in led))
+                self._remember(job, "sessions", sorted([sid, ticks] for sid, ticks in led), "sessions")
 
-    def _remember_sessions(self, job: JobRecord, new: list[list[int]]) -> None:
-        """Record sessions the job's processes are in, before anything else: after a restart, a
-        process left in one (reparented to init, its environment cleared) is still the job's."""
+    def _remember(self, job: JobRecord, field: str, new: list[list[int]], what: str) -> None:
+        """Add `new` to the record's list `field` (adopted orphans, sessions) and save it before
+        anything else: after a restart only the record still ties those processes to the job (init
+        reaps them then, and their environment may be cleared)."""
         live = self._jobs[job.id]
-        record = dataclasses.replace(live, sessions=live.sessions + new)
+        record = dataclasses.replace(live, **{field: getattr(live, field) + new})
         self._jobs[job.id] = record
         try:
             self._store.save_job(record)
         except Exception:
-            logger.exception("could not record the sessions of job %s", job.id)
-
-    def _remember_adopted(self, job: JobRecord, new: list[list[int]]) -> None:
-        """Record orphans given to `job` before anything else: a restart must still find them."""
-        live = self._jobs[job.id]
-        record = dataclasses.replace(live, adopted=live.adopted + new)
-        self._jobs[job.id] = record
-        try:
-            self._store.save_job(record)
-        except Exception:
-            logger.exception("could not record the orphans of job %s", job.id)
+            logger.exception("could not record the %s of job %s", what, job.id)
 
     def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
         """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
