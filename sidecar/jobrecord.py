@@ -46,6 +46,24 @@ class JobRecord:
     # in: a process in one is the job's even once it was reparented to init with its environment
     # cleared (an orphan's child, after a sidecar restart made init their reaper).
     sessions: list[list[int]] = field(default_factory=list)
+    # [pid, start ticks] of the job's keeper (see sidecar.keeper), the parent of its leader and the
+    # subreaper of everything the job leaves behind. Empty in records from before keepers.
+    keeper: list[int] = field(default_factory=list)
+
+    @property
+    def exit_path(self) -> Path:
+        """Where the keeper writes the leader's exit status."""
+        return Path(self.log_path).with_suffix(".exit")
+
+    def recorded_exit(self) -> int | None:
+        """The leader's exit status as its keeper recorded it; None before it exited (or if the
+        keeper could not record it, or the job has no keeper)."""
+        if not self.keeper:
+            return None
+        try:
+            return int(self.exit_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
 
 
 class JobStore(Protocol):

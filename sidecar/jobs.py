@@ -2,17 +2,23 @@
 
 Owns every job the sidecar launches (its record lives in `sidecar.jobrecord`). A job is its whole
 process tree (see `sidecar.proctree`): it runs while its leader or any process it started lives,
-double-forked or not. Each job leads its own session and carries `BOXWARDEN_JOB_ID=<id>` in its
-environment, which every descendant inherits; membership is found by PID, session and that tag,
-never by command-line text. Jobs outlive the sidecar: `close()` stops watching and never kills,
-and `recover()` re-adopts a job whose leader (same start time) or any member still lives.
+double-forked or not. Each job is started by its own keeper (`sidecar.keeper`), a child subreaper
+that outlives the sidecar: everything the job leaves behind is reparented to the keeper, so while
+the keeper lives the job's processes are its descendants, before and after a sidecar restart.
+The leader leads its own session and carries `BOXWARDEN_JOB_ID=<id>` in its environment, which
+every descendant inherits; membership is also found by session and that tag (and by the orphans
+and sessions recorded while the sidecar watched), never by command-line text, so a job whose
+keeper was killed is still followed. Jobs outlive the sidecar: `close()` stops watching and never
+kills, and `recover()` re-adopts a job whose keeper (same start time) or any member still lives.
 
-The leader's exit is observed through a pidfd registered with the event loop (Linux >= 5.3).
-Once the leader has exited with members left, or where pidfds are unavailable, a light poll
-re-scans /proc until the tree is empty; `jobs()` and `running()` scan afresh on every call, so
-the gate never sees a stale "not running". We spawn with `subprocess.Popen` rather than
+The keeper's exit (the job's last process has ended) is observed through a pidfd registered with
+the event loop (Linux >= 5.3); the leader's exit status is the one its keeper wrote to a file.
+Once the keeper is gone with members left, or where pidfds are unavailable, a light poll re-scans
+/proc until the tree is empty; `jobs()` and `running()` scan afresh on every call, so the gate
+never sees a stale "not running". We spawn with `subprocess.Popen` rather than
 `asyncio.create_subprocess_exec` on purpose: an asyncio subprocess transport kills its child when
 it is closed or garbage-collected, which would take the training job down with the sidecar.
+Records from before keepers (no `keeper`) are watched through their leader, as they were.
 """
 
 from __future__ import annotations
@@ -23,9 +29,11 @@ import dataclasses
 import logging
 import os
 import secrets
+import select
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -52,20 +60,49 @@ _STOP_POLL_S = 0.05
 # After SIGKILL a process normally vanishes at once; one stuck in uncommon I/O (state D) may not.
 # StopJob then answers with the job still running instead of hanging the RPC.
 _KILL_WAIT_S = 5.0
+# A keeper reports its leader (or why it could not start it) within this time, or StartJob fails.
+_KEEPER_REPORT_S = 60.0
+_KEEPER = Path(__file__).with_name("keeper.py")
 
 
 @dataclass(slots=True)
 class _Watch:
-    """How one running job's end is observed."""
+    """How one running job's end is observed: through its anchor, the process whose exit is
+    awaited by pidfd (the keeper; the leader in records from before keepers)."""
 
     done: asyncio.Future[None]
-    popen: subprocess.Popen[Any] | None  # None: a re-adopted job that is not our child
+    popen: subprocess.Popen[Any] | None  # the keeper, while it is our child; None once re-adopted
     pidfd: int | None = None
     stop_requested: bool = False
-    leader_done: bool = False
-    # True when exit_code holds the leader's real status (our child, or recorded before a restart).
+    anchor_done: bool = False
+    # True when rc holds the leader's real status (its keeper's file, or recorded before a restart).
     rc_known: bool = False
     rc: int | None = None
+
+
+def _anchor(job: JobRecord) -> tuple[int, int]:
+    """(pid, start ticks) of the process whose exit the job's watch awaits."""
+    if job.keeper:
+        return job.keeper[0], job.keeper[1]
+    return job.pid, job.proc_start_ticks
+
+
+def _read_report(fd: int, timeout: float) -> str:
+    """Everything the keeper writes on its notify pipe until it closes it (one line); the pipe
+    is closed here. TimeoutError if it says nothing for `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return data.decode(errors="replace").strip()
+            data += chunk
+    finally:
+        os.close(fd)
 
 
 class JobSupervisor:
@@ -154,22 +191,9 @@ class JobSupervisor:
 
         self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         log_path = self._log_dir / f"{job_id}.log"
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        try:
-            popen = children.popen(
-                argv,
-                executable=executable,
-                cwd=workdir,
-                env=full_env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except (OSError, ValueError) as e:  # ValueError: NUL byte or "=" in argv/env
-            raise PreconditionError(f"cannot start {argv[0]!r}: {e}") from e
-        finally:
-            os.close(log_fd)
+        # Shielded: once the keeper runs, the job is recorded even if the caller gives up waiting.
+        spawn = self._spawn(job_id, argv, executable, workdir, full_env, log_path)
+        keeper, leader, leader_ticks = await asyncio.shield(asyncio.ensure_future(spawn))
 
         job = JobRecord(
             id=job_id,
@@ -177,29 +201,84 @@ class JobSupervisor:
             argv=argv,
             cwd=str(workdir),
             env=extra,
-            pid=popen.pid,
-            pgid=popen.pid,  # start_new_session: the child called setsid() before exec
+            pid=leader,
+            pgid=leader,  # the keeper started it in a session of its own
             state="running",
             exit_code=None,
             started_at_ns=time.time_ns(),
             ended_at_ns=None,
             log_path=str(log_path),
-            # A job that already exited is an unreaped zombie of ours: its start time is still there.
-            proc_start_ticks=read_start_ticks(popen.pid, include_zombie=True) or 0,
+            proc_start_ticks=leader_ticks,
+            # Our unreaped child: its start time is there even if it has exited already.
+            keeper=[keeper.pid, read_start_ticks(keeper.pid, include_zombie=True) or 0],
         )
         self._jobs[job_id] = job
-        self._watch(job, popen)
+        self._watch(job, keeper)
         try:
             self._store.save_job(job)
         except Exception:
             # A job nobody can find after a restart is worse than no job: take it down.
             logger.exception("could not record job %s; killing it", job_id)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job.pgid, signal.SIGKILL)
+            self._signal_tree(job_id, signal.SIGKILL)
             raise
-        logger.info("job %s started: pid %s, %s", job_id, job.pid, shlex.join(argv))
+        logger.info("job %s started: pid %s (keeper %s), %s", job_id, job.pid, keeper.pid, shlex.join(argv))
         self._safe_emit(JOB_STARTED, job_id, f"pid {job.pid}: {shlex.join(argv)}")
         return job
+
+    async def _spawn(
+        self,
+        job_id: str,
+        argv: list[str],
+        executable: str,
+        workdir: Path,
+        env: dict[str, str],
+        log_path: Path,
+    ) -> tuple[subprocess.Popen[Any], int, int]:
+        """Start the job's keeper and have it start the leader: (keeper, leader pid, its start ticks)."""
+        exit_path = log_path.with_suffix(".exit")
+        exit_path.unlink(missing_ok=True)  # never read some earlier job's status as this one's
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        notify, notify_w = os.pipe()
+        try:
+            args = [sys.executable, "-I", str(_KEEPER), str(notify_w), str(exit_path)]
+            keeper = children.popen(
+                [*args, str(workdir), executable, *argv],
+                cwd="/",
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log_fd,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=(notify_w,),
+            )
+        except (OSError, ValueError) as e:  # ValueError: NUL byte or "=" in argv/env
+            os.close(notify)
+            raise PreconditionError(f"cannot start {argv[0]!r}: {e}") from e
+        finally:
+            os.close(notify_w)
+            os.close(log_fd)
+        try:
+            report = await asyncio.to_thread(_read_report, notify, _KEEPER_REPORT_S)
+        except TimeoutError:
+            report = f"error its keeper (pid {keeper.pid}) did not report within {_KEEPER_REPORT_S:.0f}s"
+            keeper.kill()  # our unreaped child: the PID is still its
+            table = proctree.scan()
+            for pid in self._tags.tags(table).get(job_id, ()):  # a leader it may have started
+                proctree.send_signal(table.procs[pid], signal.SIGKILL)
+        word, _, rest = report.partition(" ")
+        if word == "ok":
+            leader, ticks, reaper = (int(x) for x in rest.split())
+            if not reaper:
+                logger.warning(
+                    "job %s's keeper could not become a child subreaper: processes the job leaves "
+                    "behind are followed by their session and environment tag only",
+                    job_id,
+                )
+            return keeper, leader, ticks
+        rc = await asyncio.to_thread(keeper.wait)
+        children.release(keeper.pid)
+        why = rest if word == "error" else f"its keeper exited ({rc}) without starting it; see {log_path}"
+        raise PreconditionError(f"cannot start {argv[0]!r}: {why}")
 
     async def stop(self, job_id: str, grace_s: float = 10.0) -> JobRecord:
         """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record."""
@@ -240,20 +319,17 @@ class JobSupervisor:
             return
         table = proctree.scan()
         # The group first, in one call: it also reaches a child forked after the scan. Only while
-        # the group id is provably ours: our unreaped child, or a PID that still names the leader.
-        ours = (watch.popen is not None and not watch.leader_done) or table.live(
-            job.pid, job.proc_start_ticks
-        )
-        if ours:
+        # the group id is provably ours: the PID still names the leader (alive, or a zombie).
+        leader = table.procs.get(job.pid)
+        if leader is not None and job.proc_start_ticks and leader.start_ticks == job.proc_start_ticks:
             try:
                 os.killpg(job.pgid, sig)
             except ProcessLookupError:
                 pass
             except PermissionError as e:
                 raise PreconditionError(f"not allowed to signal job {job_id} (pgid {job.pgid})") from e
-        for pid in self._members(job, table):
-            if pid != job.pid or not watch.leader_done:
-                proctree.send_signal(table.procs[pid], sig)
+        for pid in self._members(job, table):  # never the keeper: it ends with its last child
+            proctree.send_signal(table.procs[pid], sig)
 
     # ---- recovery / shutdown -------------------------------------------------------------------
 
@@ -274,26 +350,29 @@ class JobSupervisor:
             if job.state != "running":
                 continue
             table = table or proctree.scan()
-            if job.proc_start_ticks and table.live(job.pid, job.proc_start_ticks):
+            pid, ticks = _anchor(job)
+            if ticks and table.live(pid, ticks):
                 self._watch(job, None)
                 if job.id in self._watches:
-                    logger.info("re-adopted running job %s (pid %s)", job.id, job.pid)
+                    logger.info("re-adopted running job %s (pid %s; awaiting pid %s)", job.id, job.pid, pid)
                     continue
-            table = proctree.scan()  # the leader just vanished: its children may have moved
+            table = proctree.scan()  # the anchor just vanished: its children may have moved
             live = self._members(job, table)
             if live:
                 logger.info(
-                    "re-adopted job %s: its leader (pid %s) is gone, %d of its processes live: %s",
+                    "re-adopted job %s: its %s (pid %s) is gone, %d of its processes live: %s",
                     job.id,
-                    job.pid,
+                    "keeper" if job.keeper else "leader",
+                    pid,
                     len(live),
                     live,
                 )
                 self._adopt_tree(job)
                 continue
-            if job.leader_exited:
+            rc = job.recorded_exit()
+            if rc is not None or job.leader_exited:
                 logger.info("job %s's last process ended while the sidecar was away", job.id)
-                self._finish(job.id, "exited", job.exit_code)
+                self._finish(job.id, "exited", rc if rc is not None else job.exit_code)
             else:
                 logger.info("job %s (pid %s) is gone or its PID was reused: lost", job.id, job.pid)
                 self._finish(job.id, "lost", None)
@@ -304,7 +383,7 @@ class JobSupervisor:
         self._watches[job.id] = _Watch(
             done=loop.create_future(),
             popen=None,
-            leader_done=True,
+            anchor_done=True,
             rc_known=job.leader_exited,
             rc=job.exit_code if job.leader_exited else None,
         )
@@ -327,20 +406,22 @@ class JobSupervisor:
     # ---- watching ------------------------------------------------------------------------------
 
     def _watch(self, job: JobRecord, popen: subprocess.Popen[Any] | None) -> None:
+        """Await the exit of the job's anchor; `popen`: the keeper we just started (our child)."""
         loop = asyncio.get_running_loop()
-        watch = _Watch(done=loop.create_future(), popen=popen, rc_known=popen is not None)
+        watch = _Watch(done=loop.create_future(), popen=popen)
+        pid, ticks = _anchor(job)
         try:
             if self._use_pidfd:
-                watch.pidfd = os.pidfd_open(job.pid)
+                watch.pidfd = os.pidfd_open(pid)
             elif popen is None:
-                os.kill(job.pid, 0)  # the same ProcessLookupError as pidfd_open
+                os.kill(pid, 0)  # the same ProcessLookupError as pidfd_open
         except ProcessLookupError:
             if popen is None:
                 return  # gone before we could look; the caller checks the rest of the tree
         except (AttributeError, OSError) as e:
             logger.info("no pidfd for job %s (%s); polling its liveness", job.id, e)
         # A re-adopted PID may have been reused between the caller's check and pidfd_open.
-        if popen is None and read_start_ticks(job.pid) != job.proc_start_ticks:
+        if popen is None and read_start_ticks(pid) != ticks:
             if watch.pidfd is not None:
                 os.close(watch.pidfd)
             return
@@ -361,12 +442,12 @@ class JobSupervisor:
             self._poll_task = asyncio.get_running_loop().create_task(self._poll(), name="job-poll")
 
     async def _poll(self) -> None:
-        """Re-scan while some job is watched without a pidfd: a leader-less tree, or no pidfds."""
+        """Re-scan while some job is watched without a pidfd: an anchor-less tree, or no pidfds."""
         while not self._closed:
-            polled = [w for w in self._watches.values() if w.leader_done or w.pidfd is None]
+            polled = [w for w in self._watches.values() if w.anchor_done or w.pidfd is None]
             if not polled:
                 return
-            fast = any(not w.leader_done for w in polled)
+            fast = any(not w.anchor_done for w in polled)
             await asyncio.sleep(_POLL_INTERVAL_S if fast else _TREE_POLL_S)
             try:
                 self.refresh()
@@ -383,7 +464,7 @@ class JobSupervisor:
         watch = self._watches.get(job_id)
         if watch is not None and watch.pidfd is not None:
             # A readable pidfd stays readable: never leave it registered, or the loop spins.
-            logger.warning("pidfd of job %s woke but its leader lives; polling instead", job_id)
+            logger.warning("pidfd of job %s woke but its process lives; polling instead", job_id)
             self._unwatch(asyncio.get_running_loop(), watch)
             self._ensure_poll()
 
@@ -424,6 +505,7 @@ class JobSupervisor:
                 exclude=(self._me,),
                 orphans=given | adopted,
                 sessions=known,
+                keeper=_anchor(job) if job.keeper else None,
             )
             led = {s for s in proctree.sessions_of(table, found) if s[0] != job.pid} - known
             if not led:
@@ -451,6 +533,8 @@ class JobSupervisor:
         exempt = table.closure([self._me], set())
         for j in running:
             exempt |= set(self._members(j, table))
+            if j.keeper and table.live(j.keeper[0], j.keeper[1]):
+                exempt.add(j.keeper[0])  # it works in "/" and holds only the job's log
         return strays.find(
             table,
             roots=[*roots, str(self._default_cwd), *(j.cwd for j in self._jobs.values())],
@@ -459,28 +543,31 @@ class JobSupervisor:
         )
 
     def _check(self, job_id: str, table: proctree.ProcTable) -> bool:
-        """Update one job from `table`; False when its leader is done and no member is left."""
+        """Update one job from `table`; False when its anchor is gone and no member is left."""
         watch = self._watches[job_id]
         job = self._jobs[job_id]
-        if not watch.leader_done:
+        if not watch.anchor_done:
+            pid, ticks = _anchor(job)
             if watch.popen is not None:
-                rc = watch.popen.poll()  # reaps our child: only this may, see sidecar.children
-                ended = rc is not None
+                ended = watch.popen.poll() is not None  # reaps our child: only this may, see sidecar.children
                 if ended:
-                    children.release(job.pid)
-                    watch.rc = rc
+                    children.release(pid)
             else:
-                ended = read_start_ticks(job.pid) != job.proc_start_ticks
-            if not ended:
-                live = self._members(job, table)
-                self._update(job, live=live or [job.pid])
-                return True
-            watch.leader_done = True
-            self._unwatch(asyncio.get_running_loop(), watch)
-        live = [pid for pid in self._members(job, table) if pid != job.pid]
-        if not live:
+                ended = read_start_ticks(pid) != ticks
+            if ended:
+                watch.anchor_done = True
+                self._unwatch(asyncio.get_running_loop(), watch)
+        if job.keeper and not watch.rc_known:
+            # Read after the keeper's end was noted: it writes the status before it exits.
+            rc = job.recorded_exit()
+            if rc is not None:
+                watch.rc, watch.rc_known = rc, True
+        leader_done = watch.rc_known or not table.live(job.pid, job.proc_start_ticks)
+        live = self._members(job, table)
+        if not live and watch.anchor_done:
             return False
-        if not job.leader_exited:
+        changes: dict[str, Any] = {}
+        if leader_done and live and (not job.leader_exited or job.exit_code != watch.rc):
             logger.info(
                 "job %s's leader (pid %s) exited (%s); it keeps running while %s live",
                 job_id,
@@ -488,8 +575,10 @@ class JobSupervisor:
                 watch.rc,
                 live,
             )
-        self._update(job, live=live, leader_exited=True, exit_code=watch.rc)
-        self._ensure_poll()
+            changes = {"leader_exited": True, "exit_code": watch.rc}
+        self._update(job, live=live, **changes)
+        if watch.anchor_done:
+            self._ensure_poll()
         return True
 
     def _update(self, job: JobRecord, *, live: list[int], **changes: Any) -> None:
@@ -499,7 +588,7 @@ class JobSupervisor:
             return
         self._jobs[job.id] = new
         # Only a change of state is durable; the list of live PIDs is a snapshot for the caller.
-        if new.leader_exited != job.leader_exited:
+        if (new.leader_exited, new.exit_code) != (job.leader_exited, job.exit_code):
             try:
                 self._store.save_job(new)
             except Exception:

@@ -196,13 +196,20 @@ def members(
     exclude: Iterable[int] = (),
     orphans: Iterable[int] = (),
     sessions: Iterable[tuple[int, int]] = (),
+    keeper: tuple[int, int] | None = None,
 ) -> list[int]:
     """The job's live processes, sorted; `exclude` (the sidecar itself) never counts. `orphans`:
     processes reparented to the sidecar that were attributed to this job. `sessions`: (session
     id, leader start ticks or 0) of sessions the job's processes were seen in (see `sessions_of`):
     every process in one is the job's, unless its id now names a live stranger (another start
-    time, or any live process where the leader was already gone: the id was reused)."""
+    time, or any live process where the leader was already gone: the id was reused). `keeper`:
+    (pid, start ticks) of the job's keeper, whose every child is the job's while it lives (it is
+    the subreaper of all the job leaves behind); the keeper itself never counts."""
+    exclude = set(exclude)
     roots = set(tagged.get(job_id, ())) | set(orphans)
+    if keeper is not None and table.live(*keeper):
+        exclude.add(keeper[0])
+        roots.update(table.children().get(keeper[0], ()))
     for sid, ticks in sessions:
         holder = table.procs.get(sid)
         if holder is None or (ticks and holder.start_ticks == ticks):
@@ -215,7 +222,7 @@ def members(
     elif leader is None:
         # Gone, but a PID that is someone's session or group id is never reused: those are ours.
         roots.update(p.pid for p in table.procs.values() if leader_pid in (p.session, p.pgrp))
-    found = table.closure(roots, set(exclude))
+    found = table.closure(roots, exclude)
     return sorted(pid for pid in found if not table.procs[pid].zombie)
 
 

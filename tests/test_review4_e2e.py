@@ -372,22 +372,28 @@ if os.fork() == 0:
         os.chdir("/")
         while not os.path.exists(trigger):
             time.sleep(0.05)
-        if os.fork() == 0:  # a clean environment, the same session; its parent exits at once
+        if os.fork() == 0:  # a clean environment; its parent exits at once
+            if sys.argv[3] == "setsid":  # and a session of its own, that no scan ever saw
+                os.setsid()
             os.execve("/bin/sh", ["sh", "-c", f"sleep 600; echo late > {out}"], {})
         os._exit(0)
     os._exit(0)
 """
 
 
+@pytest.mark.parametrize("session", ["same", "setsid"])
 def test_a_clean_child_of_a_job_orphan_after_a_sidecar_restart_keeps_the_job_running(
-    tmp_path: Path, bw: Bw
+    tmp_path: Path, bw: Bw, session: str
 ) -> None:
     """Review 6, finding 2: after a restart the sidecar is no longer its orphans' subreaper; an
-    orphan forked a child with an empty environment and exited, and the child was nobody's."""
+    orphan forked a child with an empty environment and exited, and the child was nobody's. The
+    sessions a job was seen in caught the child in the orphan's session, but not one that also
+    started a session of its own at once (review 6's residual): the job's keeper, a subreaper
+    that outlives the sidecar, inherits it whatever it does."""
     p = bw.up(NAME)
     trigger = tmp_path / "trigger"
     late = str(p["watch"] / "late.bin")
-    bw.ok("run", NAME, "--", sys.executable, "-c", ORPHAN_FORKS_LATER, str(trigger), late)
+    bw.ok("run", NAME, "--", sys.executable, "-c", ORPHAN_FORKS_LATER, str(trigger), late, session)
     wait_until(lambda: any(r["code"] == "JOB_RUNNING" for r in dry(bw)["reasons"]), what="the orphan tracked")
     (pid,) = bw.sidecar_pids()
     os.kill(pid, signal.SIGKILL)
@@ -410,9 +416,15 @@ def test_a_clean_child_of_a_job_orphan_after_a_sidecar_restart_keeps_the_job_run
         return None
 
     child = wait_until(clean_child, what="the clean child")
-    group = os.getpgid(child)  # the orphan's: the shell and its sleep, nothing else of ours
+    group = os.getpgid(child)  # the orphan's, or its own: the shell and its sleep, nothing else of ours
     try:
-        wait_until(lambda: Path(f"/proc/{child}/stat").read_text().split()[3] == "1", what="it is init's")
+
+        def parent() -> bytes:
+            ppid = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            return Path(f"/proc/{ppid}/cmdline").read_bytes()
+
+        # Its parent exited: it was reparented, and not to init but to the job's keeper.
+        wait_until(lambda: b"keeper.py" in parent(), what="it is the keeper's")
         assert b"BOXWARDEN_JOB_ID" not in Path(f"/proc/{child}/environ").read_bytes()
         (reason,) = [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
         assert f" {child} " in reason["detail"].split(")")[0] + " ", reason

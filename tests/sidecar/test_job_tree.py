@@ -242,20 +242,29 @@ def zombies_of(pid: int) -> list[int]:
     return found
 
 
-def test_orphans_reparent_to_the_sidecar_and_are_reaped(tmp_path: Path, procs: Procs) -> None:
-    argv, pid_file, _, stop = procs.writer("orphan", "escape")
+def escaped_job(d: Daemon, procs: Procs, name: str) -> tuple[pb.Job, int, Path]:
+    """A job whose leader exited, leaving a double-forked writer: (the job, the writer, its stop file)."""
+    argv, pid_file, _, stop = procs.writer(name, "escape")
+    job = start(d, argv)
+    escapee = procs.wait_pid(pid_file)
+    return wait_job(d, job.id, "the leader's exit to be seen", running_without_leader(escapee)), escapee, stop
+
+
+def test_orphans_reparent_to_the_jobs_keeper_and_are_reaped(tmp_path: Path, procs: Procs) -> None:
     with running(tmp_path) as d:
         assert d.proc is not None
         sidecar = d.proc.pid
-        job = start(d, argv)
-        escapee = procs.wait_pid(pid_file)
-        wait_job(d, job.id, "the leader's exit to be seen", running_without_leader(escapee))
-        # The sidecar is a subreaper: the orphan is its child now, not init's.
-        assert int(_stat(escapee)[1]) == sidecar
+        job, escapee, stop = escaped_job(d, procs, "orphan")
+        # The job's keeper is a subreaper: the orphan is its child now, not init's; the keeper is
+        # the sidecar's child and is never counted as one of the job's processes.
+        keeper = int(_stat(escapee)[1])
+        assert int(_stat(keeper)[1]) == sidecar
+        assert keeper not in job.live_pids and keeper != job.pid
         stop.touch()
         wait_job(d, job.id, "the job to end", lambda j: j.state == pb.JOB_STATE_EXITED)
+        # The keeper exits with the job's last process, and the sidecar reaps it.
         wait_until(lambda: not zombies_of(sidecar), timeout=DEADLINE_S, what="no zombie children")
-        assert not Path(f"/proc/{escapee}").exists()
+        assert not Path(f"/proc/{escapee}").exists() and not Path(f"/proc/{keeper}").exists()
         # The hashing child (copies of 64 MiB and more) is the sidecar's child too: it must still
         # report its own digest, never lose its status to the reaper.
         big = d.watch / "big.bin"
@@ -263,6 +272,28 @@ def test_orphans_reparent_to_the_sidecar_and_are_reaped(tmp_path: Path, procs: P
         (claim,) = d.wait_durable(1, timeout=120)
         assert claim.size == 64 << 20
         assert not zombies_of(sidecar)
+
+
+def test_a_killed_keeper_leaves_the_jobs_orphans_to_the_sidecar(tmp_path: Path, procs: Procs) -> None:
+    """Killing the keeper (the job may do it: it runs as the same user) loses nothing: its orphans
+    go to the sidecar, itself a subreaper, and the job is followed by its tag and records."""
+    with running(tmp_path) as d:
+        assert d.proc is not None
+        sidecar = d.proc.pid
+        job, escapee, stop = escaped_job(d, procs, "nokeeper")
+        status = Path(job.log_path).with_suffix(".exit")  # the keeper writes it as it reaps the leader
+        wait_until(status.exists, timeout=DEADLINE_S, what="the leader's recorded status")
+        keeper = int(_stat(escapee)[1])
+        os.kill(keeper, signal.SIGKILL)  # our grandchild, alive: its PID is its own
+        wait_until(
+            lambda: int(_stat(escapee)[1]) == sidecar, timeout=DEADLINE_S, what="the sidecar to inherit it"
+        )
+        again = listed(d, job.id)
+        assert again.state == pb.JOB_STATE_RUNNING and list(again.live_pids) == [escapee]
+        stop.touch()
+        done = wait_job(d, job.id, "the job to end", lambda j: j.state != pb.JOB_STATE_RUNNING)
+        assert (done.state, done.exit_code) == (pb.JOB_STATE_EXITED, 0)
+        wait_until(lambda: not zombies_of(sidecar), timeout=DEADLINE_S, what="no zombie children")
 
 
 class MemoryStore:

@@ -269,7 +269,77 @@ def test_start_preconditions(tmp_path: Path) -> None:
             await sup.start([])
         with pytest.raises(PreconditionError, match="not an executable file"):
             await sup.start(["./not-executable.sh"])
+        # Executable, but exec() fails (no "#!", not a binary): the keeper says why.
+        garbage = tmp_path / "garbage"
+        garbage.write_bytes(b"\x7fELF-not-really")
+        garbage.chmod(0o755)
+        with pytest.raises(PreconditionError, match=r"cannot start './garbage': .*Exec format error"):
+            await sup.start(["./garbage"])
         assert sup.jobs() == [] and events.items == []
+        assert not zombies_of(os.getpid())  # the keeper that reported it was reaped
+
+    run_supervised(tmp_path, body)
+
+
+def zombies_of(parent: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] == "Z" and int(fields[1]) == parent:
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("keeper", "why"),
+    [
+        ("import time; time.sleep(60)", "its keeper .* did not report within 1s"),
+        ("import sys; sys.exit(7)", r"its keeper exited \(7\) without starting it"),
+    ],
+    ids=["silent", "died"],
+)
+def test_a_keeper_that_never_reports_fails_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keeper: str, why: str
+) -> None:
+    fake = tmp_path / "keeper.py"
+    fake.write_text(keeper)
+    monkeypatch.setattr("sidecar.jobs._KEEPER", fake)
+    monkeypatch.setattr("sidecar.jobs._KEEPER_REPORT_S", 1.0)
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        with pytest.raises(PreconditionError, match=why):
+            await sup.start(py("import time; time.sleep(60)"))
+        assert sup.jobs() == [] and events.items == []
+        assert not zombies_of(os.getpid())  # killed if need be, and reaped
+
+    run_supervised(tmp_path, body)
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_the_keeper_holds_the_job_and_is_not_part_of_it(tmp_path: Path) -> None:
+    """The leader is the keeper's child, in a session of its own; the keeper works in "/", is
+    the sidecar's child, is never one of the job's processes, and ends with the job."""
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        job = await sup.start(py("import time; time.sleep(60)"))
+        keeper, ticks = job.keeper
+        assert ticks == start_ticks(keeper) and keeper != job.pid
+        assert parent_of(job.pid) == keeper and parent_of(keeper) == os.getpid()
+        assert os.readlink(f"/proc/{keeper}/cwd") == "/"
+        assert os.getsid(job.pid) == job.pid != os.getsid(keeper)
+        (listed,) = sup.jobs()  # scanned now
+        assert listed.live_pids == [job.pid]
+        stopped = await sup.stop(job.id, grace_s=5)
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+        await wait_gone(keeper)
+        assert not zombies_of(os.getpid())
 
     run_supervised(tmp_path, body)
 
@@ -359,9 +429,9 @@ def test_jobs_survive_a_sidecar_restart_and_can_be_stopped_after_it(tmp_path: Pa
         await sup.recover()
         assert sup.get(job.id).state == "running"
         stopped = await sup.stop(job.id, grace_s=5)
-        # Not our child any more: we know we ended it, not with which status.
-        assert (stopped.state, stopped.exit_code) == ("stopped", None)
-        assert await events.wait(JOB_EXITED, job.id) == "stopped"
+        # Not our child any more, but its keeper recorded the status: our SIGTERM ended it.
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+        assert await events.wait(JOB_EXITED, job.id) == str(-signal.SIGTERM)
         await wait_gone(job.pid)
 
     run_supervised(tmp_path, body, MemoryStore([job]))
