@@ -87,7 +87,7 @@ def _anchor(job: JobRecord) -> tuple[int, int]:
     return job.pid, job.proc_start_ticks
 
 
-def _read_report(fd: int, timeout: float) -> str:
+def _read_report(fd: int, timeout: float, keeper: int) -> str:
     """Everything the keeper writes on its notify pipe until it closes it (one line); the pipe
     is closed here. TimeoutError if it says nothing for `timeout` seconds."""
     deadline = time.monotonic() + timeout
@@ -95,14 +95,25 @@ def _read_report(fd: int, timeout: float) -> str:
     try:
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0:
                 raise TimeoutError
+            if not select.select([fd], [], [], min(left, _STOP_POLL_S * 4))[0]:
+                _wake_if_stopped(keeper)
+                continue
             chunk = os.read(fd, 4096)
             if not chunk:
                 return data.decode(errors="replace").strip()
             data += chunk
     finally:
         os.close(fd)
+
+
+def _wake_if_stopped(pid: int, ticks: int | None = None) -> None:
+    """SIGCONT to the keeper `pid` (started at `ticks`; None: our unreaped child) if it is stopped:
+    the job it started may have stopped it, and a stopped keeper reaps nothing."""
+    p = proctree.read_proc(pid)
+    if p is not None and p.state in ("T", "t") and ticks in (None, p.start_ticks):
+        proctree.send_signal(p, signal.SIGCONT)
 
 
 class JobSupervisor:
@@ -258,7 +269,7 @@ class JobSupervisor:
             os.close(notify_w)
             os.close(log_fd)
         try:
-            report = await asyncio.to_thread(_read_report, notify, _KEEPER_REPORT_S)
+            report = await asyncio.to_thread(_read_report, notify, _KEEPER_REPORT_S, keeper.pid)
         except TimeoutError:
             report = f"error its keeper (pid {keeper.pid}) did not report within {_KEEPER_REPORT_S:.0f}s"
             keeper.kill()  # our unreaped child: the PID is still its
@@ -557,6 +568,8 @@ class JobSupervisor:
             if ended:
                 watch.anchor_done = True
                 self._unwatch(asyncio.get_running_loop(), watch)
+        if job.keeper and not watch.anchor_done and table.procs.get(job.keeper[0]):
+            _wake_if_stopped(job.keeper[0], job.keeper[1])
         if job.keeper and not watch.rc_known:
             # Read after the keeper's end was noted: it writes the status before it exits.
             rc = job.recorded_exit()

@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+import sidecar.jobs
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 15.0
@@ -317,6 +319,45 @@ def test_a_keeper_that_never_reports_fails_the_start(
         assert not zombies_of(os.getpid())  # killed if need be, and reaped
 
     run_supervised(tmp_path, body)
+
+
+def test_a_stopped_keeper_is_woken_so_that_stop_job_ends_the_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stopped keeper reaps nothing and reports nothing: the job (same user) can stop it."""
+    real = sidecar.jobs._KEEPER
+    stops_itself = tmp_path / "keeper.py"
+    stops_itself.write_text(
+        "import os, runpy, signal, sys\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"  # before it reports anything
+        f"sys.argv[0] = {str(real)!r}\n"
+        f"runpy.run_path({str(real)!r}, run_name='__main__')\n"
+    )
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        monkeypatch.setattr("sidecar.jobs._KEEPER", stops_itself)
+        job = await sup.start(py("import time; time.sleep(60)"))  # woken: it reported in time
+        monkeypatch.setattr("sidecar.jobs._KEEPER", real)
+        assert job.state == "running" and is_alive(job.pid)
+        keeper = job.keeper[0]
+        os.kill(keeper, signal.SIGSTOP)  # again, now that it runs: our own child, the PID is its
+        wait_until_state(keeper, "T")
+        stopped = await sup.stop(job.id, grace_s=5)
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+        await wait_gone(keeper)
+        # A job that stops its own keeper and exits: the next look wakes the keeper, the job ends.
+        job = await sup.start(["sh", "-c", "kill -STOP $PPID; exit 3"])
+        wait_until(lambda: not sup.running(), what="the job to end")
+        assert (sup.get(job.id).state, sup.get(job.id).exit_code) == ("exited", 3)
+
+    run_supervised(tmp_path, body)
+
+
+def wait_until_state(pid: int, state: str) -> None:
+    def now() -> bool:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == state
+
+    wait_until(now, what=f"pid {pid} in state {state}")
 
 
 def parent_of(pid: int) -> int:
