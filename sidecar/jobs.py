@@ -144,6 +144,7 @@ class JobSupervisor:
         # The tags of the latest table, so that one scan reads them once for every job.
         self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
         self._orphans: dict[str, set[int]] = {}
+        self._starting: set[str] = set()
         self._poll_task: asyncio.Task[None] | None = None
         self._me = os.getpid()
         self._recovered = False
@@ -201,29 +202,51 @@ class JobSupervisor:
         executable = resolve_program(argv[0], workdir, full_env.get("PATH", os.defpath))
 
         self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        log_path = self._log_dir / f"{job_id}.log"
+        # From here until its record exists the job is "starting": a release must not begin.
+        self._starting.add(job_id)
         # Shielded: once the keeper runs, the job is recorded even if the caller gives up waiting.
-        spawn = self._spawn(job_id, argv, executable, workdir, full_env, log_path)
-        keeper, leader, leader_ticks = await asyncio.shield(asyncio.ensure_future(spawn))
+        launch = self._launch(job_id, argv, cell, workdir, extra, executable, full_env)
+        return await asyncio.shield(asyncio.ensure_future(launch))
 
-        job = JobRecord(
-            id=job_id,
-            cell=cell,
-            argv=argv,
-            cwd=str(workdir),
-            env=extra,
-            pid=leader,
-            pgid=leader,  # the keeper started it in a session of its own
-            state="running",
-            exit_code=None,
-            started_at_ns=time.time_ns(),
-            ended_at_ns=None,
-            log_path=str(log_path),
-            proc_start_ticks=leader_ticks,
-            # Our unreaped child: its start time is there even if it has exited already.
-            keeper=[keeper.pid, read_start_ticks(keeper.pid, include_zombie=True) or 0],
-        )
-        self._jobs[job_id] = job
+    def starting(self) -> list[str]:
+        """Jobs whose keeper was started and that have no record yet (their leader may run)."""
+        return sorted(self._starting)
+
+    async def _launch(
+        self,
+        job_id: str,
+        argv: list[str],
+        cell: str,
+        workdir: Path,
+        extra: dict[str, str],
+        executable: str,
+        full_env: dict[str, str],
+    ) -> JobRecord:
+        log_path = self._log_dir / f"{job_id}.log"
+        try:
+            keeper, leader, leader_ticks = await self._spawn(
+                job_id, argv, executable, workdir, full_env, log_path
+            )
+            job = JobRecord(
+                id=job_id,
+                cell=cell,
+                argv=argv,
+                cwd=str(workdir),
+                env=extra,
+                pid=leader,
+                pgid=leader,  # the keeper started it in a session of its own
+                state="running",
+                exit_code=None,
+                started_at_ns=time.time_ns(),
+                ended_at_ns=None,
+                log_path=str(log_path),
+                proc_start_ticks=leader_ticks,
+                # Our unreaped child: its start time is there even if it has exited already.
+                keeper=[keeper.pid, read_start_ticks(keeper.pid, include_zombie=True) or 0],
+            )
+            self._jobs[job_id] = job
+        finally:
+            self._starting.discard(job_id)
         self._watch(job, keeper)
         try:
             self._store.save_job(job)
@@ -642,5 +665,5 @@ class JobSupervisor:
     def _new_id(self) -> str:
         while True:
             job_id = "j" + secrets.token_hex(4)
-            if job_id not in self._jobs:
+            if job_id not in self._jobs and job_id not in self._starting:
                 return job_id

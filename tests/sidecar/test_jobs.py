@@ -321,18 +321,25 @@ def test_a_keeper_that_never_reports_fails_the_start(
     run_supervised(tmp_path, body)
 
 
+def self_stopping_keeper(tmp_path: Path) -> Path:
+    """A keeper that stops itself (SIGSTOP) before anything else, then runs the real one."""
+    real = sidecar.jobs._KEEPER
+    path = tmp_path / "keeper.py"
+    path.write_text(
+        "import os, runpy, signal, sys\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+        f"sys.argv[0] = {str(real)!r}\n"
+        f"runpy.run_path({str(real)!r}, run_name='__main__')\n"
+    )
+    return path
+
+
 def test_a_stopped_keeper_is_woken_so_that_stop_job_ends_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stopped keeper reaps nothing and reports nothing: the job (same user) can stop it."""
     real = sidecar.jobs._KEEPER
-    stops_itself = tmp_path / "keeper.py"
-    stops_itself.write_text(
-        "import os, runpy, signal, sys\n"
-        "os.kill(os.getpid(), signal.SIGSTOP)\n"  # before it reports anything
-        f"sys.argv[0] = {str(real)!r}\n"
-        f"runpy.run_path({str(real)!r}, run_name='__main__')\n"
-    )
+    stops_itself = self_stopping_keeper(tmp_path)
 
     async def body(sup: JobSupervisor, events: Events) -> None:
         monkeypatch.setattr("sidecar.jobs._KEEPER", stops_itself)
@@ -349,6 +356,30 @@ def test_a_stopped_keeper_is_woken_so_that_stop_job_ends_the_job(
         job = await sup.start(["sh", "-c", "kill -STOP $PPID; exit 3"])
         wait_until(lambda: not sup.running(), what="the job to end")
         assert (sup.get(job.id).state, sup.get(job.id).exit_code) == ("exited", 3)
+
+    run_supervised(tmp_path, body)
+
+
+def test_a_job_is_starting_until_recorded_and_recorded_even_if_its_caller_gives_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the keeper's start and the job's record the leader may already run: the job is
+    "starting" (a release refuses), and a cancelled StartJob still records it (it runs)."""
+    # It stops itself before it reports (and is woken): the start takes a while.
+    monkeypatch.setattr("sidecar.jobs._KEEPER", self_stopping_keeper(tmp_path))
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        caller = asyncio.ensure_future(sup.start(py("import time; time.sleep(60)")))
+        await until("the start to begin", lambda: bool(sup.starting()))
+        (job_id,) = sup.starting()
+        assert sup.jobs() == []
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        assert await events.wait(JOB_STARTED, job_id)
+        assert sup.starting() == []
+        job = sup.get(job_id)
+        assert job.state == "running" and is_alive(job.pid)
 
     run_supervised(tmp_path, body)
 
