@@ -418,7 +418,7 @@ class JobSupervisor:
             done=loop.create_future(),
             popen=None,
             anchor_done=True,
-            rc_known=job.leader_exited,
+            rc_known=job.leader_exited and not job.keeper,  # a keeper's file is read by _check
             rc=job.exit_code if job.leader_exited else None,
         )
         self._ensure_poll()
@@ -593,12 +593,13 @@ class JobSupervisor:
                 self._unwatch(asyncio.get_running_loop(), watch)
         if job.keeper and not watch.anchor_done and table.procs.get(job.keeper[0]):
             _wake_if_stopped(job.keeper[0], job.keeper[1])
-        if job.keeper and not watch.rc_known:
-            # Read after the keeper's end was noted: it writes the status before it exits.
-            rc = job.recorded_exit()
-            if rc is not None:
-                watch.rc, watch.rc_known = rc, True
-        leader_done = watch.rc_known or not table.live(job.pid, job.proc_start_ticks)
+        leader_live = table.live(job.pid, job.proc_start_ticks)
+        if job.keeper and not watch.rc_known and not leader_live:
+            # Only once the leader is gone: the job itself may write that file. Final only once
+            # the keeper is gone (it writes the status as it reaps the leader, and before it exits).
+            watch.rc = job.recorded_exit()
+            watch.rc_known = watch.rc is not None and watch.anchor_done
+        leader_done = watch.rc_known or not leader_live
         live = self._members(job, table)
         if not live and watch.anchor_done:
             return False

@@ -384,6 +384,20 @@ def test_a_job_is_starting_until_recorded_and_recorded_even_if_its_caller_gives_
     run_supervised(tmp_path, body)
 
 
+def test_an_exit_file_written_by_the_job_itself_is_not_its_status(tmp_path: Path) -> None:
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        logs = tmp_path / "logs"
+        job = await sup.start(["sh", "-c", f'echo 7 > {logs}/"$BOXWARDEN_JOB_ID".exit; exec sleep 60'])
+        forged = logs / f"{job.id}.exit"
+        await until("the job to write it", lambda: forged.exists() and forged.read_text() == "7\n")
+        (seen,) = sup.jobs()
+        assert (seen.leader_exited, seen.exit_code, seen.live_pids) == (False, None, [job.pid])
+        stopped = await sup.stop(job.id, grace_s=5)
+        assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+
+    run_supervised(tmp_path, body)
+
+
 def wait_until_state(pid: int, state: str) -> None:
     def now() -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == state
