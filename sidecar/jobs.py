@@ -518,7 +518,8 @@ class JobSupervisor:
 
     def _members(self, job: JobRecord, table: proctree.ProcTable) -> list[int]:
         if self._tagged is None or self._tagged[0] is not table:
-            leaders = {j.id: (j.pid, j.proc_start_ticks) for j in self._jobs.values()}
+            # Only among running jobs: an orphan given to a finished one would be nobody's.
+            leaders = {j.id: (j.pid, j.proc_start_ticks) for j in self._jobs.values() if j.state == "running"}
             orphans = proctree.orphans_of_jobs(table, self._me, children.registered(), leaders)
             self._tagged = (table, self._tags.tags(table))
             self._orphans = orphans
@@ -564,7 +565,9 @@ class JobSupervisor:
         """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
         running = self.running()  # scans now, and brings every job's membership up to date
         table = proctree.scan()
-        exempt = table.closure([self._me], set())
+        # The sidecar and its own children (keepers, the hashing child), not every process that
+        # was reparented to it: an orphan no running job took is looked at like any other.
+        exempt = {self._me} | table.closure(children.registered(), set())
         for j in running:
             exempt |= set(self._members(j, table))
             if j.keeper and table.live(j.keeper[0], j.keeper[1]):

@@ -20,7 +20,7 @@ from sidecar import proctree
 
 logger = logging.getLogger(__name__)
 
-_DELETED = " (deleted)"
+DELETED = " (deleted)"  # how /proc shows an fd whose file was unlinked (or is an O_TMPFILE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +72,12 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
             out.add(shown)
 
 
-def fd_paths(pid: str, task: str | None = None) -> Iterator[tuple[str, str]]:
+def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Iterator[tuple[str, str]]:
     """(fd, path) for each of the process's fds (or those of its thread `task`, which has a table
-    of its own after unshare(CLONE_FILES)) that names a file or directory still linked (sockets,
-    pipes and deleted files left out). PermissionError if its fds may not be read,
-    FileNotFoundError or ProcessLookupError if it is gone."""
+    of its own after unshare(CLONE_FILES)) that names a file or directory still linked (sockets
+    and pipes left out; deleted files too, unless `deleted`: their path then ends in DELETED).
+    PermissionError if its fds may not be read, FileNotFoundError or ProcessLookupError if it is
+    gone."""
     # readlink relative to an open fd directory skips a /proc path walk per fd: the scan is a
     # syscall per fd, and a box runs thousands of them.
     where = f"/proc/{pid}/fd" if task is None else f"/proc/{pid}/task/{task}/fd"
@@ -88,7 +89,7 @@ def fd_paths(pid: str, task: str | None = None) -> Iterator[tuple[str, str]]:
             except (FileNotFoundError, ProcessLookupError):
                 continue  # closed mid-scan
             # Sockets, pipes and anon inodes read "socket:[123]" etc.; only real paths start with "/".
-            if target.startswith("/") and not target.endswith(_DELETED):
+            if target.startswith("/") and (deleted or not target.endswith(DELETED)):
                 yield fd, target
     finally:
         os.close(dir_fd)

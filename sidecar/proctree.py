@@ -21,6 +21,7 @@ per process lifetime (cached by PID and start time) and never for kernel threads
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -72,10 +73,27 @@ def parse_stat(pid: int, stat: bytes) -> Proc | None:
 
 
 def read_proc(pid: int) -> Proc | None:
-    """One process's stat, or None if it is gone."""
+    """One process's stat, or None if it is gone. A process whose main thread has exited while
+    other threads run reads as a zombie in its own stat; it is alive, and is given the state of
+    one of its live threads."""
+    p = _read_stat(f"/proc/{pid}/stat", pid)
+    if p is None or not p.zombie:
+        return p
+    try:
+        tids = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(pid)]
+    except OSError:
+        return p
+    for tid in tids:
+        thread = _read_stat(f"/proc/{pid}/task/{tid}/stat", pid)
+        if thread is not None and not thread.zombie:
+            return dataclasses.replace(p, state=thread.state)
+    return p
+
+
+def _read_stat(path: str, pid: int) -> Proc | None:
     # Raw fds, not open(): a scan reads hundreds of these, and a file object costs twice the time.
     try:
-        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
     try:
@@ -248,7 +266,7 @@ def orphans_of_jobs(
     ordered = sorted(leaders.items(), key=lambda kv: kv[1][1])
     out: dict[str, set[int]] = {}
     for p in table.procs.values():
-        if p.ppid != me or p.zombie or p.pid in own or p.pid in {pid for pid, _ in leaders.values()}:
+        if p.ppid != me or p.zombie or p.pid in own:
             continue
         before = [job for job, (_pid, ticks) in ordered if ticks <= p.start_ticks]
         for job in before[-1:] or [job for job, _ in ordered]:

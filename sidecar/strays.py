@@ -7,11 +7,14 @@ the user's own trainer started by hand (`nohup python train.py &` in the workdir
 process rarely hides is where it works.
 
 A stray is a live process, not a member of any job, not the sidecar's own and not the caller's
-(the controller running `down` on this machine, and its shell), whose working directory is the
-workdir, a job's cwd or a watched dir, or lies under one (compared by path and, for bind-mount
-aliases and other mount namespaces, by device and inode), or which holds any file or directory
-there open. Every thread counts: one that unshared its cwd or its file table is looked at too. The rule asks
-nothing else, so a shell left standing in the workdir holds the gate too: its line says to leave.
+(the controller running `down` on this machine, and an ancestor that only waits for it, such as
+its shell), whose working directory is the workdir, a job's cwd or a watched dir, or lies under
+one (compared by path and, for bind-mount aliases and other mount namespaces, by device and
+inode), or which holds any file or directory there open (a deleted one too, where its directory
+was: an O_TMPFILE may still be linked in). Every thread counts: one that unshared its cwd or its
+file table is looked at too, and so does a process whose main thread exited while others run on.
+The rule asks nothing else, so a shell left standing in the workdir (other than the one running
+`down`) holds the gate too: its line says to leave.
 Processes whose /proc entries cannot be read (other users') are not strays: their open files still
 show through sidecar.openfiles, and a process that works elsewhere and holds nothing open there is
 beyond what /proc can tie to a job (the README says so).
@@ -27,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import proctree
-from sidecar.openfiles import fd_paths
+from sidecar.openfiles import DELETED, fd_paths
 
 _MAX_DEPTH = 256  # directories above a working directory that are looked at
 
@@ -89,21 +92,23 @@ def find(
     exempt: set[int],
     caller: Iterable[int] = (),
 ) -> list[Stray]:
-    """Strays in `table`. `exempt`: the sidecar's own tree and every job member. `caller`: the
-    controller's process then its ancestors (a local box): the first with its descendants, the
-    others exactly, are not strays."""
+    """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
+    `caller`: the controller's process then its ancestors (a local box): the first with its
+    descendants is not a stray, nor is an ancestor whose every thread waits for a child (a shell
+    running the command that runs `down`): one that runs on meanwhile (a notebook kernel's
+    training thread, an event loop) is looked at like any other process."""
     callers = list(caller)
     skip = set(exempt)
     if callers:
-        skip |= table.closure(callers[:1], set()) | set(callers[1:])
+        skip |= table.closure(callers[:1], set())
+        skip |= {pid for pid in callers[1:] if _only_waits(pid)}
     where = _Roots(roots)
     out = []
     for p in table.procs.values():
         if p.pid in skip or p.zombie or p.kernel_thread:
             continue
-        try:
-            cwd = os.readlink(f"/proc/{p.pid}/cwd")
-        except OSError:  # gone, or not ours to look at
+        cwd = _cwd(p.pid)
+        if cwd is None:  # gone, or not ours to look at
             continue
         why = _works_there(p.pid, where)
         if why:
@@ -111,17 +116,46 @@ def find(
     return sorted(out, key=lambda s: s.pid)
 
 
+def _tasks(pid: int) -> list[str]:
+    """The process's thread ids, the main thread's first; [] if it is gone or not ours to see."""
+    try:
+        return sorted(os.listdir(f"/proc/{pid}/task"), key=lambda t: t != str(pid))
+    except OSError:
+        return []
+
+
+def _cwd(pid: int) -> str | None:
+    """The process's working directory: its main thread's, or (when the main thread has exited
+    and others run on) that of the first thread that has one."""
+    for tid in _tasks(pid):
+        try:
+            return os.readlink(f"/proc/{pid}/task/{tid}/cwd")
+        except OSError:
+            continue
+    return None
+
+
+def _only_waits(pid: int) -> bool:
+    """Whether every thread of `pid` is blocked waiting for a child (wchan do_wait). False when
+    the kernel does not say (no wchan): the process is then looked at like any other."""
+    tids = _tasks(pid)
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/wchan", "rb") as f:
+                if f.read().strip() != b"do_wait":
+                    return False
+        except OSError:
+            return False
+    return bool(tids)
+
+
 def _works_there(pid: int, where: _Roots) -> str:
     """Why process `pid` works where the jobs work, "" if it does not. Every thread is looked at:
     a thread that unshared its filesystem context (CLONE_FS) has its own cwd and root, and one that
     unshared its file table (CLONE_FILES) its own open files."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:  # gone, or not ours to look at
-        return ""
     seen_dirs: set[tuple[str, str]] = set()
     seen_files: set[str] = set()
-    for tid in sorted(tids, key=lambda t: t != str(pid)):  # the main thread first
+    for tid in _tasks(pid):  # the main thread first
         task = f"/proc/{pid}/task/{tid}"
         main = tid == str(pid)
         own_fs = main or not _shares(pid, int(tid), _KCMP_FS)
@@ -137,11 +171,14 @@ def _works_there(pid: int, where: _Roots) -> str:
         if not main and _shares(pid, int(tid), _KCMP_FILES):
             continue  # the main thread's table, looked at already: most threads share it
         try:
-            for _fd, target in fd_paths(str(pid), task=tid):
+            for _fd, target in fd_paths(str(pid), task=tid, deleted=True):
                 if target in seen_files:
                     continue
                 seen_files.add(target)
-                if where.by_path(target):
+                # A deleted file (or an O_TMPFILE, which linkat() can still put in place) counts
+                # where its directory is.
+                gone = target.endswith(DELETED)
+                if where.by_path(os.path.dirname(target[: -len(DELETED)]) if gone else target):
                     return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
         except OSError:  # gone, or not ours to look at
             continue

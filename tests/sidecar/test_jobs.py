@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import sidecar.jobs
+from sidecar import children
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
 from tests.conftest import wait_until
@@ -452,7 +453,8 @@ def test_recover_watches_a_live_job_until_it_is_lost(tmp_path: Path, use_pidfd: 
 def test_recover_marks_dead_and_reused_pids_lost(tmp_path: Path) -> None:
     with subprocess.Popen(py("pass")) as dead:
         pass  # exited and reaped: its pid names no process now
-    with subprocess.Popen(py("import time; time.sleep(60)"), start_new_session=True) as other:
+    # Registered like every child the sidecar starts itself: not an orphan some job left behind.
+    with children.popen(py("import time; time.sleep(60)"), start_new_session=True) as other:
         ended = dataclasses.replace(record("jold", 1, 1, state="exited"), exit_code=0, ended_at_ns=1)
         store = MemoryStore(
             [
@@ -476,6 +478,8 @@ def test_recover_marks_dead_and_reused_pids_lost(tmp_path: Path) -> None:
             run_supervised(tmp_path, body, store)
         finally:
             other.kill()
+            other.wait()
+            children.release(other.pid)
 
 
 SIDECAR_RUN = """

@@ -1,0 +1,195 @@
+"""Adversarial review 7: each test is a way the real CLI allowed `down` wrongly before its fix
+(the findings are in issue 6's closing note): processes that did their work where the gate did
+not look."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Bw, pid_alive, wait_until
+from tests.test_review4_e2e import NAME, dry
+
+
+def settled(bw: Bw) -> dict[str, Path]:
+    """A box with one durable file, pulled and verified: only what the test adds may refuse."""
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    assert dry(bw)["allowed"] is True
+    return p
+
+
+def running_reasons(bw: Bw) -> list[dict[str, Any]]:
+    return [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.kill()
+    proc.wait()
+
+
+# -- F2: an orphan given to a job that had already ended, and the sidecar's subtree exempt ---------
+
+KILLS_ITS_KEEPER = """
+import os, signal, sys, time
+go, pid_file = sys.argv[1], sys.argv[2]
+if not sys.argv[3].isdigit():  # the job's leader: later, start a child with a clean environment, and exit
+    while not os.path.exists(go + ".fork"):
+        time.sleep(0.05)
+    leader = str(os.getpid())
+    if os.fork() == 0:
+        os.execve(sys.executable, [sys.executable, "-c", sys.argv[3], go, pid_file, leader], {})
+    sys.exit(0)
+leader = int(sys.argv[3])
+while not os.path.exists(go) or os.getppid() == leader:  # then the keeper's child, untagged
+    time.sleep(0.05)
+keeper = os.getppid()
+os.kill(keeper, signal.SIGKILL)  # its orphans now go to the sidecar
+while os.getppid() == keeper:
+    time.sleep(0.01)
+os.setsid()  # and a session of its own
+with open(pid_file + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(pid_file + ".tmp", pid_file)
+time.sleep(600)
+"""
+
+
+def test_an_orphan_stays_with_the_running_job_when_a_later_job_has_ended(tmp_path: Path, bw: Bw) -> None:
+    """Review 7, F2: the sidecar gave an orphan to the newest job started before it, one that had
+    already ended, so no running job had it; and every process under the sidecar was exempt from
+    the stray rule, so nothing held the gate while it worked in the workdir."""
+    settled(bw)
+    go, pid_file = tmp_path / "go", tmp_path / "orphan.pid"
+    a = json.loads(
+        bw.ok(
+            "run",
+            NAME,
+            "--json",
+            "--",
+            sys.executable,
+            "-c",
+            KILLS_ITS_KEEPER,
+            str(go),
+            str(pid_file),
+            KILLS_ITS_KEEPER,
+        ).stdout
+    )
+    b = json.loads(bw.ok("run", NAME, "--json", "--", "true").stdout)  # starts after A, ends at once
+    wait_until(lambda: not any(b["id"] in r["detail"] for r in running_reasons(bw)), what="job B to end")
+    (tmp_path / "go.fork").touch()  # A's child starts after B did
+    go.touch()
+    orphan = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), what="the orphan"))
+    try:
+        (sidecar,) = bw.sidecar_pids()
+        ppid = Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1]
+        assert int(ppid) == sidecar
+        (reason,) = running_reasons(bw)
+        assert f"job {a['id']} " in reason["detail"] and f" {orphan}" in reason["detail"], reason
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(orphan), what="the orphan gone")
+
+
+# -- F3: a process whose main thread exited while another thread works on --------------------------
+
+MAIN_THREAD_EXITS = """
+import ctypes, os, sys, threading, time
+os.chdir(sys.argv[1])
+ready = sys.argv[2]
+def worker():
+    time.sleep(600)
+threading.Thread(target=worker).start()
+open(ready, "w").close()
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_process_whose_main_thread_exited_is_still_a_stray(tmp_path: Path, bw: Bw) -> None:
+    """Review 7, F3: /proc/PID/stat reads Z once the main thread exits (pthread_exit), and the
+    stray rule skipped zombies, while another thread of it still worked in the workdir."""
+    p = settled(bw)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", MAIN_THREAD_EXITS, str(p["watch"]), str(ready)])
+    try:
+        wait_until(ready.exists, what="the main thread to exit")
+        wait_until(
+            lambda: Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", what="Z"
+        )
+        (reason,) = running_reasons(bw)
+        assert f"pid {proc.pid} " in reason["detail"] and f"works in {p['watch']}" in reason["detail"]
+    finally:
+        kill(proc)
+
+
+# -- F4: an O_TMPFILE in the watched dir, held by a process that works elsewhere ------------------
+
+HOLDS_A_TMPFILE = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_TMPFILE | os.O_WRONLY, 0o644)  # can be linked in later
+os.write(fd, b"the final checkpoint")
+os.chdir("/")
+open(sys.argv[2], "w").close()
+time.sleep(600)
+"""
+
+
+def test_a_process_holding_an_anonymous_file_in_the_watched_dir_is_a_stray(tmp_path: Path, bw: Bw) -> None:
+    p = settled(bw)
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDS_A_TMPFILE, str(p["watch"]), str(ready)])
+    try:
+        wait_until(ready.exists, what="the anonymous file")
+        (reason,) = running_reasons(bw)
+        assert f"pid {proc.pid} " in reason["detail"] and f"holds {p['watch']}/#" in reason["detail"]
+        assert "(deleted)" in reason["detail"]
+    finally:
+        kill(proc)
+
+
+# -- F5: the program that runs `down` keeps working while it waits ---------------------------------
+
+RUNS_DOWN_WHILE_TRAINING = """
+import json, os, subprocess, sys, threading, time
+os.chdir(sys.argv[1])
+threading.Thread(target=time.sleep, args=(600,), daemon=True).start()  # "the training thread"
+r = subprocess.run(sys.argv[2:], capture_output=True, text=True)
+print(r.stdout)
+"""
+
+
+def test_an_ancestor_that_runs_on_while_down_runs_is_a_stray(bw: Bw) -> None:
+    """Review 7, F5: every ancestor of the controller was exempt, so a notebook kernel training in a
+    thread that ran `!boxwarden down` was never looked at. An ancestor that only waits (a shell)
+    still is exempt."""
+    p = settled(bw)
+    cli = [sys.executable, "-m", "controller", "down", NAME, "--dry-run", "--json"]
+    r = subprocess.run(
+        [sys.executable, "-c", RUNS_DOWN_WHILE_TRAINING, str(p["watch"]), *cli],
+        env=bw.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    doc = json.loads(r.stdout)
+    reasons = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+    assert len(reasons) == 1 and f"works in {p['watch']}" in reasons[0]["detail"], doc
+    # A shell standing in the watched dir that runs `down` only waits for it: not a stray.
+    shell = subprocess.run(
+        ["sh", "-c", 'cd "$1" && shift && "$@"', "sh", str(p["watch"]), *cli],
+        env=bw.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert json.loads(shell.stdout)["allowed"] is True, shell.stdout + shell.stderr
