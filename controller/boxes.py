@@ -19,7 +19,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, RESERVED_NAMES
-from controller.overlap import same_dir_above
+from controller.overlap import pseudo_filesystem, same_dir_above
 from controller.pull import Progress, PullReport, pull
 from controller.reach import connect
 from controller.state import Box, State
@@ -60,6 +60,17 @@ def check_dir_target(path: Path, what: str) -> None:
     if not probe.is_dir():
         where = "" if probe == path else f" (it is under {probe}, which is not a directory)"
         raise UsageError(f"{what} {path} is not a directory{where}; give a directory")
+
+
+def check_real_filesystem(path: Path, what: str) -> None:
+    """A directory `up` gives the box lies on a filesystem that stores files: on proc, sysfs and the
+    like nothing can be sealed or copied (every file would show NOT_DURABLE with an odd error)."""
+    kind = pseudo_filesystem(path)
+    if kind is not None:
+        raise UsageError(
+            f"{what} {path} is on a {kind} pseudo-filesystem, which stores no files: give a directory "
+            "on a real filesystem"
+        )
 
 
 def durable_dir(url: str) -> Path:
@@ -184,6 +195,8 @@ async def up(
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
     for w in watch_abs:
         check_dir_target(w, "--watch")
+    for path, what in [(workdir, "--workdir"), *((w, "--watch") for w in watch_abs), (ddir, "--durable")]:
+        check_real_filesystem(path, what)
     _same_claims(name, old, live, watch_abs, ddir, run_id)
     _durable_apart(ddir, watch_abs, box_dir)
     if live is not None and exclude and tuple(exclude) != live.exclude:

@@ -160,6 +160,12 @@ class SidecarClient:
         resp = await self._call("StartJob", lambda: self.stub.StartJob(req, timeout=self.timeout_s))
         return resp.job
 
+    async def stop_job(self, job_id: str, grace_s: int) -> pb.Job:
+        req = pb.StopJobRequest(id=job_id, grace_s=grace_s)
+        # It waits out the grace, then up to a few seconds for SIGKILL to land.
+        resp = await self._call("StopJob", lambda: self.stub.StopJob(req, timeout=grace_s + self.timeout_s))
+        return resp.job
+
     async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
         req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest, caller_pids=self.caller_pids)
         # It re-reads every durable copy before deleting anything: allow for a large tree.

@@ -224,12 +224,7 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
 
     if reachable:
         for j in ev.jobs:
-            live = " ".join(map(str, j.live_pids)) or str(j.pid)
-            reasons.append(
-                Reason(
-                    "JOB_RUNNING", detail=f"job {j.id} (pid {j.pid}; live: {live}) {' '.join(j.argv)[:80]}"
-                )
-            )
+            reasons.append(Reason("JOB_RUNNING", detail=_job_line(ev.box, j)))
         for x in ev.strays:
             reasons.append(
                 Reason(
@@ -343,3 +338,16 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
 def _evidence_digest(ev: Evidence, reasons: list[Reason]) -> str:
     doc = evidence_document(ev, reasons)
     return blake3.blake3(json.dumps(doc, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _job_line(box: str, j: pb.Job) -> str:
+    live = " ".join(map(str, j.live_pids)) or "none seen"
+    line = f"job {j.id} (pid {j.pid}; live: {live}) {' '.join(j.argv)[:80]}"
+    if j.keeper_lost:
+        line += (
+            ": its keeper (the process that holds every process of the job) was killed before the "
+            "job ended, so processes of it may run where boxwarden cannot see them; look with "
+            "`ps -eo pid,ppid,sid,args`, end any of them, then end the job with "
+            f"`boxwarden stop {box} {j.id}`"
+        )
+    return line

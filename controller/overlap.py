@@ -6,7 +6,8 @@ fetches its first byte).
 `overlap_problem` is shared by `pull` (refuses before writing anything) and the gate (refuses to
 judge a tree that overlaps what `down` would delete). Both sides are resolved the same way
 (symlinks followed; a path that does not exist yet is resolved through its deepest existing
-ancestor), so no spelling of a path can slip past the comparison.
+ancestor), so no spelling of a path can slip past the comparison. `pseudo_filesystem` is shared by
+`pull` and `up` (a watched dir, a workdir or a durable dir there holds no files either).
 """
 
 from __future__ import annotations
@@ -127,13 +128,26 @@ def same_dir_above(path: Path, other: Path) -> bool:
     return False
 
 
+def pseudo_filesystem(path: Path) -> str | None:
+    """The type of the pseudo-filesystem (proc, sysfs, ...) that `path` lies on, or None if it lies
+    on one that stores files. Resolved as `resolve_loose` does: a path that does not exist yet is
+    judged by its deepest existing ancestor's filesystem. Without mountinfo, a path under /proc,
+    /sys or /dev counts as one ("system")."""
+    real = resolve_loose(path)
+    fs = _filesystem_type(real)
+    if fs in PSEUDO_FILESYSTEMS:
+        return fs
+    if fs is None and any(real.is_relative_to(p) for p in _PSEUDO_PREFIXES):
+        return "system"
+    return None
+
+
 def destination_problem(root: Path) -> str | None:
     """Why a pull cannot make `root` its tree (a pseudo-filesystem, a regular file or something
     else in the way, a name too long), or None. Looks only: creates nothing."""
     real = resolve_loose(root)
-    fs = _filesystem_type(real)
-    if fs in PSEUDO_FILESYSTEMS or (fs is None and any(real.is_relative_to(p) for p in _PSEUDO_PREFIXES)):
-        kind = fs or "system"
+    kind = pseudo_filesystem(real)
+    if kind is not None:
         return f"{real} is on a {kind} pseudo-filesystem, which stores no files: pull into a normal directory"
     if len(os.fsencode(real)) >= PATH_MAX:
         return f"{real} is longer than this system's limit of {PATH_MAX} bytes: pull into a shorter path"

@@ -38,3 +38,9 @@ async def artifact_pages(box: Box) -> AsyncIterator[pb.ListArtifactsResponse | N
         await c.hello()
         async for page in c.artifact_pages():
             yield page
+
+
+async def stop_job(box: Box, job_id: str, grace_s: int) -> pb.Job:
+    async with connect(box) as c:
+        await c.hello()
+        return await c.stop_job(job_id, grace_s)

@@ -115,6 +115,16 @@ def job_started(job: pb.Job) -> None:
     )
 
 
+def job_state(job: pb.Job) -> str:
+    """ "running", "exited", "stopped", "lost"."""
+    return pb.JobState.Name(job.state).removeprefix("JOB_STATE_").lower()
+
+
+def job_stopped(job: pb.Job) -> None:
+    code = f", exit code {job.exit_code}" if job.state in (pb.JOB_STATE_EXITED, pb.JOB_STATE_STOPPED) else ""
+    info(f"job [bold]{esc(job.id)}[/] {job_state(job)}{code}")
+
+
 STATUS_COLUMNS = (
     ("box", "box"),
     ("profile", "profile"),

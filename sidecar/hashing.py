@@ -15,6 +15,8 @@ from pathlib import Path
 
 import blake3
 
+from sidecar.paths import open_regular
+
 logger = logging.getLogger(__name__)
 
 DIGEST_SIZE = 32
@@ -81,7 +83,7 @@ def hash_file_read(path: Path) -> str:
     into "changed", instead of a SIGBUS that kills the process. About 1.5–2× slower than
     `hash_file` on a hot file (one more copy per byte), still several GB/s.
     """
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(open_regular(path), "rb", buffering=0) as f:  # a FIFO swapped in never blocks
         # Sized to the file: a 16 MiB buffer zeroed per call is 1 ms, most of a small file's cost.
         chunk = min(VERIFY_CHUNK, max(os.fstat(f.fileno()).st_size + 1, 64 << 10))
         hasher = new_hasher(update_size=chunk)

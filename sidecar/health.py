@@ -44,6 +44,7 @@ def job_to_pb(job: JobRecord) -> pb.Job:
         log_path=job.log_path,
         leader_exited=job.leader_exited,
         live_pids=job.live_pids,
+        keeper_lost=job.keeper_lost,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from sidecar import proctree
 from sidecar.errors import PreconditionError
+from sidecar.paths import open_regular
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,11 @@ class JobRecord:
     # [pid, start ticks] of the job's keeper (see sidecar.keeper), the parent of its leader and the
     # subreaper of everything the job leaves behind. Empty in records from before keepers.
     keeper: list[int] = field(default_factory=list)
+    # The boot the job started in (/proc/sys/kernel/random/boot_id): no process outlives a reboot.
+    boot_id: str = ""
+    # Its keeper vanished before the job ended without being the sidecar's child (so its orphans
+    # went to init, out of view): the job holds the gate until it is stopped by hand.
+    keeper_lost: bool = False
 
     @property
     def exit_path(self) -> Path:
@@ -58,12 +64,29 @@ class JobRecord:
     def recorded_exit(self) -> int | None:
         """The leader's exit status as its keeper recorded it; None before it exited (or if the
         keeper could not record it, or the job has no keeper)."""
-        if not self.keeper:
-            return None
+        lines = self._exit_lines()
         try:
-            return int(self.exit_path.read_text().strip())
-        except (OSError, ValueError):
+            return int(lines[0]) if lines else None
+        except ValueError:
             return None
+
+    def keeper_ended(self) -> bool:
+        """The keeper recorded that the job's last process ended (it was not killed before)."""
+        return self._exit_lines()[1:2] == ["end"]
+
+    def _exit_lines(self) -> list[str]:
+        if not self.keeper:
+            return []
+        try:  # the job could put a FIFO there: never block on it
+            fd = open_regular(self.exit_path)
+        except OSError:
+            return []
+        try:
+            return os.read(fd, 4096).decode(errors="replace").split()
+        except OSError:
+            return []
+        finally:
+            os.close(fd)
 
 
 class JobStore(Protocol):

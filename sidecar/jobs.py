@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar import children, proctree, strays
+from sidecar import children, mounts, proctree, strays
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
 
@@ -145,6 +146,7 @@ class JobSupervisor:
         self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
         self._orphans: dict[str, set[int]] = {}
         self._starting: set[str] = set()
+        self._boot = mounts.boot_id()
         self._poll_task: asyncio.Task[None] | None = None
         self._me = os.getpid()
         self._recovered = False
@@ -243,6 +245,7 @@ class JobSupervisor:
                 proc_start_ticks=leader_ticks,
                 # Our unreaped child: its start time is there even if it has exited already.
                 keeper=[keeper.pid, read_start_ticks(keeper.pid, include_zombie=True) or 0],
+                boot_id=mounts.boot_id(),
             )
             self._jobs[job_id] = job
         finally:
@@ -271,12 +274,18 @@ class JobSupervisor:
         """Start the job's keeper and have it start the leader: (keeper, leader pid, its start ticks)."""
         exit_path = log_path.with_suffix(".exit")
         exit_path.unlink(missing_ok=True)  # never read some earlier job's status as this one's
+        # What to start goes in a file, not in the keeper's command line: `pkill -f train.py`
+        # must not match the keeper.
+        spec = log_path.with_suffix(".spec")
+        spec_doc = {"exit_file": str(exit_path), "cwd": str(workdir), "executable": executable, "argv": argv}
+        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(spec_doc, f)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         notify, notify_w = os.pipe()
         try:
-            args = [sys.executable, "-I", str(_KEEPER), str(notify_w), str(exit_path)]
             keeper = children.popen(
-                [*args, str(workdir), executable, *argv],
+                [sys.executable, "-I", str(_KEEPER), str(notify_w), str(spec)],
                 cwd="/",
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -285,8 +294,9 @@ class JobSupervisor:
                 start_new_session=True,
                 pass_fds=(notify_w,),
             )
-        except (OSError, ValueError) as e:  # ValueError: NUL byte or "=" in argv/env
+        except (OSError, ValueError) as e:  # ValueError: NUL byte or "=" in the environment
             os.close(notify)
+            spec.unlink(missing_ok=True)
             raise PreconditionError(f"cannot start {argv[0]!r}: {e}") from e
         finally:
             os.close(notify_w)
@@ -311,6 +321,7 @@ class JobSupervisor:
             return keeper, leader, ticks
         rc = await asyncio.to_thread(keeper.wait)
         children.release(keeper.pid)
+        spec.unlink(missing_ok=True)
         why = rest if word == "error" else f"its keeper exited ({rc}) without starting it; see {log_path}"
         raise PreconditionError(f"cannot start {argv[0]!r}: {why}")
 
@@ -401,6 +412,9 @@ class JobSupervisor:
                     len(live),
                     live,
                 )
+                self._adopt_tree(job)
+                continue
+            if self._keeper_vanished(job):  # killed while we were away: hold on to the job
                 self._adopt_tree(job)
                 continue
             rc = job.recorded_exit()
@@ -594,6 +608,8 @@ class JobSupervisor:
             if ended:
                 watch.anchor_done = True
                 self._unwatch(asyncio.get_running_loop(), watch)
+        if watch.anchor_done and watch.popen is None and self._keeper_vanished(job):
+            job = self._flag_keeper_lost(job)
         if job.keeper and not watch.anchor_done and table.procs.get(job.keeper[0]):
             _wake_if_stopped(job.keeper[0], job.keeper[1])
         leader_live = table.live(job.pid, job.proc_start_ticks)
@@ -604,7 +620,7 @@ class JobSupervisor:
             watch.rc_known = watch.rc is not None and watch.anchor_done
         leader_done = watch.rc_known or not leader_live
         live = self._members(job, table)
-        if not live and watch.anchor_done:
+        if not live and watch.anchor_done and (watch.stop_requested or not job.keeper_lost):
             return False
         changes: dict[str, Any] = {}
         if leader_done and live and (not job.leader_exited or job.exit_code != watch.rc):
@@ -620,6 +636,30 @@ class JobSupervisor:
         if watch.anchor_done:
             self._ensure_poll()
         return True
+
+    def _keeper_vanished(self, job: JobRecord) -> bool:
+        """Its keeper is gone without recording the job's end, in this boot (no process outlives a
+        reboot), and it was not our child (then its orphans came to us): it was killed, and what
+        it held went to init, where nothing ties it to the job."""
+        if not job.keeper or job.keeper_lost or job.keeper_ended():
+            return False
+        return not job.boot_id or job.boot_id == self._boot
+
+    def _flag_keeper_lost(self, job: JobRecord) -> JobRecord:
+        logger.warning(
+            "job %s: its keeper (pid %s) is gone without recording the job's end: it was killed, "
+            "and processes of the job may run where nothing ties them to it; the job counts as "
+            "running until it is stopped",
+            job.id,
+            job.keeper[0],
+        )
+        record = dataclasses.replace(self._jobs[job.id], keeper_lost=True)
+        self._jobs[job.id] = record
+        try:
+            self._store.save_job(record)
+        except Exception:
+            logger.exception("could not record that job %s lost its keeper", job.id)
+        return record
 
     def _update(self, job: JobRecord, *, live: list[int], **changes: Any) -> None:
         job = self._jobs[job.id]  # the newest record (a scan may just have recorded orphans)

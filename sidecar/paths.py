@@ -13,6 +13,7 @@ never to a directory or to the watched directory's own name.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import re
@@ -291,7 +292,7 @@ class ArtifactNamer:
                         out.append(
                             self._problem(
                                 Path(e.path),
-                                f"not a regular file ({_file_type(st.st_mode)}): remove it or exclude it",
+                                f"not a regular file ({file_type(st.st_mode)}): remove it or exclude it",
                             )
                         )
         return out
@@ -335,8 +336,22 @@ def _why(exc: OSError) -> str:
     return f"{exc.strerror or exc}" if exc.strerror else str(exc)
 
 
-def _file_type(mode: int) -> str:
+def open_regular(path: str | Path) -> int:
+    """`path` opened read-only, as an fd, only if it is a regular file. Never blocks: a job may put
+    a FIFO where a file was, and a plain open() of one waits for a writer forever. OSError
+    (EINVAL, saying what it is) for anything else."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"not a regular file but {file_type(mode)}", str(path))
+    return fd
+
+
+def file_type(mode: int) -> str:
+    """What a non-regular file is, in words ("a fifo"), for a message that refuses it."""
     for test, name in (
+        (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a fifo"),
         (stat.S_ISSOCK, "a socket"),
         (stat.S_ISCHR, "a character device"),

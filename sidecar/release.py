@@ -8,6 +8,9 @@ Under one lock (a second release and StartJob are refused meanwhile):
      it only if the digest equals the claim and nobody holds it open for writing; otherwise put it
      back (a byte mismatch re-seals it) and report it kept;
   3. check jobs, watched entries and claims again: anything running, new or changed is refused.
+A release that ends with nothing refused latches `released` for the rest of the sidecar's life:
+StartJob is refused from then on, since the controller's Shutdown follows and a job started in
+between would run on after `down` reported success. A refused release latches nothing.
 An aside name is `.bw-release.<claim id>`; `restore_asides` undoes a release the sidecar died in.
 """
 
@@ -18,6 +21,7 @@ import errno
 import fcntl
 import logging
 import os
+import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,10 +70,16 @@ class Releaser:
         self._s = sealer
         self._running_jobs = running_jobs
         self._lock = asyncio.Lock()
+        self._released = False
 
     @property
     def active(self) -> bool:
         return self._lock.locked()
+
+    @property
+    def released(self) -> bool:
+        """A release succeeded on this sidecar: the box's artifacts are gone for its teardown."""
+        return self._released
 
     async def release(self, digest: str, caller: Sequence[int] = ()) -> ReleaseResult:
         if self._lock.locked():
@@ -90,6 +100,7 @@ class Releaser:
                     result.deleted.append(c.path)
             self._s.notify()
             result.refused = await self._after(digest, result, caller)
+            self._released = self._released or not result.refused
             return result
 
     async def _preconditions(self, digest: str, caller: Sequence[int]) -> list[Refusal]:
@@ -188,6 +199,8 @@ class Releaser:
             digest = await self._s.run(_hash_path, aside)
         except OSError as e:
             return f"cannot read it: {e.strerror}"
+        if digest is None:
+            return "not a regular file"
         if digest != claim.blake3:
             return f"its bytes are not claim {claim.id}'s ({claim.path})"
         try:
@@ -206,10 +219,12 @@ def _find_asides(roots: tuple[Path, ...]) -> list[Path]:
     return found
 
 
-def _hash_path(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+def _hash_path(path: Path) -> str | None:
+    """Blocking: the digest of the regular file at `path`, None if it is anything else. Opened
+    without blocking: a FIFO given an aside's name would otherwise hang the sidecar's start."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        return hash_by_read(fd)
+        return hash_by_read(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
     finally:
         os.close(fd)
 

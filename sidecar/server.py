@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -36,7 +37,7 @@ from sidecar.identity import FileIdentity
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import ClaimRow, EventRow, Ledger
 from sidecar.manifest import manifest_digest
-from sidecar.paths import ArtifactNamer
+from sidecar.paths import ArtifactNamer, file_type
 from sidecar.release import Releaser
 from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer
@@ -312,6 +313,8 @@ class SidecarService:
     async def StartJob(self, request: pb.StartJobRequest, context: Ctx) -> pb.StartJobResponse:
         if self._p.releaser.active:
             raise PreconditionError("a release is deleting this box's artifacts; no job may start now")
+        if self._p.releaser.released:
+            raise PreconditionError(_released_message(self._p.settings.box_name))
         job = await self._p.jobs.start(
             list(request.argv),
             cell=request.cell,
@@ -346,11 +349,11 @@ class SidecarService:
         if job is None:
             raise NotFoundError("no job has been started on this box")
         offset = request.offset
-        with open(job.log_path, "rb") as f:
+        fd = _open_log(job.id, Path(job.log_path))
+        try:
             while True:
                 ticket = self._p.journal.ticket()
-                f.seek(offset)
-                data = f.read(CHUNK)
+                data = os.pread(fd, CHUNK, offset)
                 if data:
                     yield pb.TailLogChunk(data=data, offset=offset)
                     offset += len(data)
@@ -361,6 +364,8 @@ class SidecarService:
                 # New output does not ring the journal; poll the file at a modest pace meanwhile.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ticket.wait(), timeout=0.5)
+        finally:
+            os.close(fd)
 
     @translated
     async def ReleaseArtifacts(
@@ -377,6 +382,43 @@ class SidecarService:
     async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
         self._p.request_shutdown()
         return pb.ShutdownResponse(pid=os.getpid())
+
+
+def _open_log(job_id: str, path: Path) -> int:
+    """The job's log, opened read-only without ever blocking the loop: the job (or anyone who can
+    write the log dir) may replace the file, and a plain open() of a FIFO waits for a writer
+    forever, freezing every call. Only a regular file is read; a symlink is not followed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:  # ENOENT and the like leave as themselves (rpcerrors maps them by errno)
+        if e.errno != errno.ELOOP:
+            raise
+        raise PreconditionError(
+            f"the log of job {job_id} ({path}) was replaced by a symlink, which is never followed"
+        ) from None
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise PreconditionError(
+            f"the log of job {job_id} ({path}) is not a regular file but {file_type(mode)}: it was "
+            "replaced after the job started, so there is no log to show"
+        )
+    return fd
+
+
+def _released_message(box: str) -> str:
+    """Why no job may start once a release succeeded: the teardown's Shutdown comes next (or was
+    interrupted), and a job started now would run on after `down` reported the box gone."""
+    return (
+        f"the artifacts of box {box} were released for its teardown, so no job may start on this "
+        "sidecar: it would run on after `down` reports the box gone. If that `down` was interrupted, "
+        f"finish it: `boxwarden down {box} --confirm {box}`. To keep working on the box instead, stop "
+        f"this sidecar (`kill {os.getpid()}`) and run `boxwarden up {box}` again with the same arguments"
+    )
 
 
 def _boot_id() -> str:

@@ -193,3 +193,40 @@ def test_an_ancestor_that_runs_on_while_down_runs_is_a_stray(bw: Bw) -> None:
         timeout=120,
     )
     assert json.loads(shell.stdout)["allowed"] is True, shell.stdout + shell.stderr
+
+
+# -- F1: after a sidecar restart, a job kills its keeper and starts a session with no trace --------
+
+
+def test_a_job_that_kills_its_keeper_after_a_restart_holds_the_gate_until_stopped(
+    tmp_path: Path, bw: Bw
+) -> None:
+    """Review 7, F1: once the sidecar had restarted it was no longer above the keeper, so the
+    orphans of a killed keeper went to init; one that cleared its environment and started a
+    session of its own belonged to no job, and `down` went ahead. A keeper gone without having
+    recorded its job's end now keeps the job running until `boxwarden stop`."""
+    settled(bw)
+    go, pid_file = tmp_path / "go", tmp_path / "orphan.pid"
+    argv = [sys.executable, "-c", KILLS_ITS_KEEPER, str(go), str(pid_file), KILLS_ITS_KEEPER]
+    job = json.loads(bw.ok("run", NAME, "--json", "--", *argv).stdout)
+    (tmp_path / "go.fork").touch()
+    wait_until(lambda: any("live: none" not in r["detail"] for r in running_reasons(bw)), what="the child")
+    (sidecar,) = bw.sidecar_pids()
+    os.kill(sidecar, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(sidecar), what="the sidecar gone")
+    bw.up(NAME)
+    go.touch()
+    orphan = int(wait_until(lambda: pid_file.exists() and pid_file.read_text(), what="the orphan"))
+    try:
+        (reason,) = wait_until(lambda: [r for r in running_reasons(bw) if "keeper" in r["detail"]], what="it")
+        assert f"job {job['id']} " in reason["detail"]
+        assert f"boxwarden stop {NAME} {job['id']}" in reason["detail"]
+    finally:
+        os.kill(orphan, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(orphan), what="the orphan gone")
+    # Nothing of it is left, but nothing can show that: it holds the gate until stopped by hand.
+    (reason,) = running_reasons(bw)
+    assert f"job {job['id']} " in reason["detail"] and "live: none seen" in reason["detail"]
+    stopped = json.loads(bw.ok("stop", NAME, job["id"], "--json").stdout)
+    assert stopped["state"] == "stopped"
+    assert dry(bw)["allowed"] is True

@@ -44,6 +44,21 @@ def test_a_sidecar_that_cannot_start_shows_its_log(bw: Bw) -> None:
     assert "exited with status 2" in r.stderr
 
 
+def test_up_refuses_a_pseudo_filesystem_before_anything_is_written(bw: Bw) -> None:
+    """F9: `up --watch /proc/sys/kernel/random` started the sidecar, and every file there then showed
+    as NOT_DURABLE ("Cannot allocate memory"). A workdir there is refused the same way."""
+    r = bw("up", "b1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "/proc/sys/kernel/random")
+    assert r.returncode == 2, r.stderr
+    assert "--watch /proc/sys/kernel/random is on a proc pseudo-filesystem" in r.stderr
+    watch = bw.cwd / "ckpt"
+    r = bw("up", "b1", "--profile", "local", "--workdir", "/proc/sys/kernel", "--watch", str(watch))
+    assert r.returncode == 2, r.stderr
+    assert "--workdir /proc/sys/kernel is on a proc pseudo-filesystem" in r.stderr
+    # Refused before anything was created, started or recorded.
+    assert not bw.sidecar_pids() and not (bw.home / "boxes").exists() and not watch.exists()
+    assert bw.json("status")["boxes"] == []
+
+
 def test_unknown_box_says_how_to_start_one(bw: Bw) -> None:
     r = bw("artifacts", "ghost")
     assert r.returncode == 1

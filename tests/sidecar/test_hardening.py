@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
+import sqlite3
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +17,8 @@ import grpc
 import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from tests.sidecar.daemon import make_daemon, running, short_dir
+from tests.conftest import wait_until
+from tests.sidecar.daemon import Daemon, make_daemon, running, short_dir
 
 
 def b3(path: Path) -> str:
@@ -116,3 +120,131 @@ def test_a_file_moved_in_from_outside_is_sealed_without_waiting_for_a_rescan(tmp
         # The rescan is 10 minutes away: only the watcher can have seen this file.
         (claim,) = d.wait_durable(1, timeout=30)
         assert claim.path == "moved.pt"
+
+
+def _exited(d: Daemon, job_id: str) -> bool:
+    jobs = d.stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs
+    return any(j.id == job_id and j.state == pb.JOB_STATE_EXITED for j in jobs)
+
+
+def test_no_job_starts_once_a_release_succeeded(tmp_path: Path) -> None:
+    """F6: StartJob was refused only while the release held its lock; between a successful release
+    and the controller's Shutdown a job could start, and ran on after `down` reported success."""
+    with running(tmp_path) as d:
+        (d.watch / "a.bin").write_bytes(b"aaaa")
+        d.wait_durable(1)
+        # A refused release deletes nothing and latches nothing: jobs still start after it.
+        stale = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest="0" * 64), timeout=30)
+        assert [r.code for r in stale.refused] == ["MANIFEST_STALE"] and not stale.deleted
+        job = d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=30).job
+        wait_until(lambda: _exited(d, job.id), what="the job started after a refused release to exit")
+        digest = d.listing().manifest_digest
+        done = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest=digest), timeout=30)
+        assert list(done.deleted) == ["a.bin"] and not done.refused and not done.kept
+        with pytest.raises(grpc.RpcError) as e:
+            d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "released for its teardown" in (e.value.details() or "")
+        assert "`boxwarden down t1 --confirm t1`" in (e.value.details() or "")
+        # Still refused later on (the latch holds for the sidecar's life), and no job was recorded.
+        with pytest.raises(grpc.RpcError):
+            d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=30)
+        assert [j.id for j in d.stub.ListJobs(pb.ListJobsRequest(), timeout=5).jobs] == [job.id]
+
+
+def test_a_fifo_swapped_in_for_a_jobs_log_does_not_freeze_the_daemon(tmp_path: Path) -> None:
+    """F7: TailLog opened the log with a blocking open() on the event loop: a FIFO put in its
+    place (`rm L; mkfifo L`) blocked it for good, and the whole sidecar stopped answering."""
+    with running(tmp_path) as d:
+        job = d.stub.StartJob(pb.StartJobRequest(argv=["sh", "-c", "echo hi"]), timeout=30).job
+        wait_until(lambda: _exited(d, job.id), what="the job to exit")
+        chunks = d.stub.TailLog(pb.TailLogRequest(job_id=job.id), timeout=10)
+        assert b"".join(c.data for c in chunks) == b"hi\n"
+        log = Path(job.log_path)
+        log.unlink()
+        os.mkfifo(log)
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                list(d.stub.TailLog(pb.TailLogRequest(job_id=job.id, follow=True), timeout=5))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert "not a regular file but a fifo" in (e.value.details() or "")
+            d.stub.Hello(pb.HelloRequest(), timeout=5)  # still answering
+            log.unlink()
+            (tmp_path / "elsewhere.txt").write_bytes(b"not the job's log")
+            log.symlink_to(tmp_path / "elsewhere.txt")  # never followed either
+            with pytest.raises(grpc.RpcError) as e:
+                list(d.stub.TailLog(pb.TailLogRequest(job_id=job.id), timeout=5))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+            assert "replaced by a symlink" in (e.value.details() or "")
+        finally:
+            # A sidecar stuck in open() of the FIFO (the bug) is let go, so that it can be stopped.
+            with contextlib.suppress(OSError):
+                os.close(os.open(log, os.O_WRONLY | os.O_NONBLOCK))
+
+
+def test_a_fifo_at_a_release_aside_name_does_not_hang_the_start(tmp_path: Path, sock_dir: Path) -> None:
+    """Found with F7: at start the sidecar hashes every `.bw-release.<claim id>` file to put back what
+    an interrupted release renamed aside; it opened them with a blocking open(), so a FIFO of that
+    name (a job can make one) kept the sidecar from ever answering."""
+    d = make_daemon(tmp_path, sock_dir)
+    d.start()
+    aside = d.watch / ".bw-release.0"
+    try:
+        (d.watch / "a.bin").write_bytes(b"claimed")
+        d.wait_durable(1)
+        d.kill(signal.SIGTERM)
+        db = sqlite3.connect(d.state / "ledger.sqlite")
+        (claim_id,) = db.execute("SELECT id FROM claims WHERE current = 1").fetchone()
+        db.close()
+        aside = d.watch / f".bw-release.{claim_id}"
+        os.mkfifo(aside)
+        d.start()  # answers Hello
+        assert stat.S_ISFIFO(aside.lstat().st_mode)  # left where it is: not the claim's bytes
+        assert (d.watch / "a.bin").read_bytes() == b"claimed"
+        assert [c.path for c in d.claims()] == ["a.bin"]
+    finally:
+        # A sidecar stuck in open() of the FIFO (the bug) is let go, so that it can be stopped.
+        with contextlib.suppress(OSError):
+            os.close(os.open(aside, os.O_WRONLY | os.O_NONBLOCK))
+        d.kill(signal.SIGTERM)
+
+
+FIFO_READS = """
+import dataclasses, json, sys
+from pathlib import Path
+from sidecar.hashing import hash_file_read
+from sidecar.jobrecord import JobRecord
+fifo = Path(sys.argv[1])
+job = JobRecord(id="j1", cell="", argv=["x"], cwd="/", env={}, pid=1, pgid=1, state="running",
+                exit_code=None, started_at_ns=0, ended_at_ns=None, log_path=str(fifo.with_suffix(".log")),
+                proc_start_ticks=1, keeper=[1, 1])
+out = {"exit": job.recorded_exit(), "ended": job.keeper_ended()}
+try:
+    hash_file_read(fifo)
+except OSError as e:
+    out["hash"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_a_fifo_in_place_of_a_file_never_blocks_a_read(tmp_path: Path) -> None:
+    """The keeper's status file (in the log dir, which a job can write) and a claimed file being
+    hashed: a FIFO put there made open() wait for a writer forever (review 7, F7's kin)."""
+    fifo = tmp_path / "j1.exit"
+    os.mkfifo(fifo)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parents[2]), str(Path(__file__).parents[2] / "proto")]
+        ),
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", FIFO_READS, str(fifo)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert (
+        r.stdout.strip()
+        == '{"exit": null, "ended": false, "hash": "[Errno 22] not a regular file but a fifo: \''
+        + str(fifo)
+        + "'\"}"
+    )

@@ -399,6 +399,47 @@ def test_an_exit_file_written_by_the_job_itself_is_not_its_status(tmp_path: Path
     run_supervised(tmp_path, body)
 
 
+def test_a_keeper_gone_without_the_jobs_end_holds_the_job_unless_the_box_rebooted(tmp_path: Path) -> None:
+    with subprocess.Popen(py("pass")) as dead:
+        pass  # exited and reaped: its pid names no process now
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def kept(job_id: str, boot_id: str, exit_text: str | None) -> JobRecord:
+        job = dataclasses.replace(
+            record(job_id, dead.pid, 12345),
+            keeper=[dead.pid, 12340],
+            boot_id=boot_id,
+            log_path=str(logs / f"{job_id}.log"),
+        )
+        if exit_text is not None:
+            job.exit_path.write_text(exit_text)
+        return job
+
+    store = MemoryStore(
+        [
+            kept("jkilled", boot, None),  # killed before its leader ended
+            kept("jkilled2", boot, "0\n"),  # killed after its leader ended, before the last process
+            kept("jended", boot, "3\nend\n"),  # recorded the end: ended while we were away
+            kept("jreboot", "another-boot", None),  # nothing outlives a reboot
+        ]
+    )
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        await sup.recover()
+        running = {j.id: j for j in sup.running()}
+        assert set(running) == {"jkilled", "jkilled2"}
+        assert all(j.keeper_lost for j in running.values()) and store.saved["jkilled"].keeper_lost
+        assert (sup.get("jended").state, sup.get("jended").exit_code) == ("exited", 3)
+        assert sup.get("jreboot").state == "lost"
+        stopped = await sup.stop("jkilled", grace_s=1)
+        assert stopped.state == "stopped"
+        assert [j.id for j in sup.running()] == ["jkilled2"]
+
+    run_supervised(tmp_path, body, store)
+
+
 def wait_until_state(pid: int, state: str) -> None:
     def now() -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == state
@@ -420,11 +461,19 @@ def test_the_keeper_holds_the_job_and_is_not_part_of_it(tmp_path: Path) -> None:
         assert ticks == start_ticks(keeper) and keeper != job.pid
         assert parent_of(job.pid) == keeper and parent_of(keeper) == os.getpid()
         assert os.readlink(f"/proc/{keeper}/cwd") == "/"
+        # `pkill -f time.sleep` must not hit it, nor a SIGTERM meant for the job end it.
+        assert b"time.sleep" not in Path(f"/proc/{keeper}/cmdline").read_bytes()
+        assert not list((tmp_path / "logs").glob("*.spec"))  # read and removed
+        os.kill(keeper, signal.SIGTERM)
+        os.kill(keeper, signal.SIGHUP)
+        assert sup.jobs()[0].state == "running" and is_alive(keeper)
         assert os.getsid(job.pid) == job.pid != os.getsid(keeper)
         (listed,) = sup.jobs()  # scanned now
         assert listed.live_pids == [job.pid]
         stopped = await sup.stop(job.id, grace_s=5)
+        # It outlived those signals: it reaped the leader, recorded its status and the job's end.
         assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
+        assert stopped.keeper_ended() and not stopped.keeper_lost
         await wait_gone(keeper)
         assert not zombies_of(os.getpid())
 

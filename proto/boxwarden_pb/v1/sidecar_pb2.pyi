@@ -824,6 +824,7 @@ class Job(_message.Message):
     LOG_PATH_FIELD_NUMBER: _builtins.int
     LEADER_EXITED_FIELD_NUMBER: _builtins.int
     LIVE_PIDS_FIELD_NUMBER: _builtins.int
+    KEEPER_LOST_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     cell: _builtins.str
     """Roster cell this job produces, may be empty."""
@@ -841,6 +842,11 @@ class Job(_message.Message):
     leader_exited: _builtins.bool
     """The job's first process has exited (exit_code holds its status) while other processes it
     started still live: the job is RUNNING until every one of them is gone.
+    """
+    keeper_lost: _builtins.bool
+    """The job's keeper (the process that starts it and inherits every process it leaves behind)
+    vanished before the job ended without being the sidecar's child: it was killed, and processes
+    of the job may run where nothing ties them to it. The job stays RUNNING until StopJob.
     """
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
@@ -866,10 +872,11 @@ class Job(_message.Message):
         log_path: _builtins.str = ...,
         leader_exited: _builtins.bool = ...,
         live_pids: _abc.Iterable[_builtins.int] | None = ...,
+        keeper_lost: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "keeper_lost", b"keeper_lost", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
