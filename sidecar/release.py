@@ -88,23 +88,31 @@ class Releaser:
             )
         async with self._lock:
             result = ReleaseResult()
-            result.refused = await self._preconditions(digest, caller)
+            verified = self._s.ledger.current_claims()
+            result.refused = await self._preconditions(digest, verified, caller)
             if result.refused:
                 return result
-            for c in self._s.ledger.current_claims():
-                async with self._s.lock(c.path):
-                    why = await self._release_one(c)
+            # Only the claims the digest named and that were just proven durable: one sealed while
+            # they were proven (the proof takes a while) was never pulled, and `_after` refuses it.
+            for v in verified:
+                async with self._s.lock(v.path):
+                    c = self._s.ledger.current(v.path)
+                    if c is None or c.id != v.id:
+                        why = "changed since it was verified" if c is not None else "already gone"
+                    else:
+                        why = await self._release_one(c)
                 if why:
-                    result.kept.append(f"{c.path}: {why}")
+                    result.kept.append(f"{v.path}: {why}")
                 else:
-                    result.deleted.append(c.path)
+                    result.deleted.append(v.path)
             self._s.notify()
             result.refused = await self._after(digest, result, caller)
             self._released = self._released or not result.refused
             return result
 
-    async def _preconditions(self, digest: str, caller: Sequence[int]) -> list[Refusal]:
-        claims = self._s.ledger.current_claims()
+    async def _preconditions(
+        self, digest: str, claims: list[ClaimRow], caller: Sequence[int]
+    ) -> list[Refusal]:
         refused: list[Refusal] = []
         if digest != manifest_digest(claims):
             refused.append(

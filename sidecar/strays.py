@@ -171,18 +171,35 @@ def _works_there(pid: int, where: _Roots) -> str:
         if not main and _shares(pid, int(tid), _KCMP_FILES):
             continue  # the main thread's table, looked at already: most threads share it
         try:
-            for _fd, target in fd_paths(str(pid), task=tid, deleted=True):
+            for fd, target in fd_paths(str(pid), task=tid, deleted=True):
                 if target in seen_files:
                     continue
                 seen_files.add(target)
-                # A deleted file (or an O_TMPFILE, which linkat() can still put in place) counts
-                # where its directory is.
-                gone = target.endswith(DELETED)
-                if where.by_path(os.path.dirname(target[: -len(DELETED)]) if gone else target):
+                if _holds(where, task, fd, target, seen_dirs):
                     return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
         except OSError:  # gone, or not ours to look at
             continue
     return ""
+
+
+def _holds(where: _Roots, task: str, fd: str, target: str, seen: set[tuple[str, str]]) -> bool:
+    """Whether the open file `target` (fd `fd` of /proc/PID/task/TID `task`) lies where the jobs
+    work, however it is spelled. A directory counts by itself, a file where its directory is (a
+    deleted file, or an O_TMPFILE that linkat() can still put in place, too). Compared by path,
+    then by device and inode: through the fd for a directory, and for a file through the task's
+    root (/proc/.../root leads into its mount namespace: a container's bind mount of the workdir
+    at a path of its own, or a bind-mount alias here)."""
+    gone = target.endswith(DELETED)
+    path = target[: -len(DELETED)] if gone else target
+    parent = os.path.dirname(path)
+    if where.by_path(parent if gone else path):
+        return True
+    if not gone and where.holds_dir(f"{task}/fd/{fd}", path):  # not a directory: no ".." to walk
+        return True
+    if ("parent", parent) in seen:
+        return False
+    seen.add(("parent", parent))
+    return where.holds_dir(f"{task}/root{parent}", parent)
 
 
 _KCMP_FILES, _KCMP_FS = 2, 3

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import Bw, pid_alive, wait_until
 from tests.test_review4_e2e import NAME, dry
 
@@ -230,3 +232,55 @@ def test_a_job_that_kills_its_keeper_after_a_restart_holds_the_gate_until_stoppe
     stopped = json.loads(bw.ok("stop", NAME, job["id"], "--json").stdout)
     assert stopped["state"] == "stopped"
     assert dry(bw)["allowed"] is True
+
+
+# -- review 8, finding 2: a watched dir held open under another name ------------------------------
+
+HOLDS_OPEN = """
+import os, sys, time
+target, ready = sys.argv[1], sys.argv[2]
+fd = os.open(target, os.O_RDONLY)  # a directory, or a file in it
+os.chdir("/")
+open(ready, "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("held", ["ckpt", "ckpt/a.bin"])
+@pytest.mark.parametrize("where", ["alias", "namespace"])
+def test_a_watched_dir_held_open_under_another_name_makes_a_stray(
+    tmp_path: Path, bw: Bw, held: str, where: str
+) -> None:
+    """Review 8, finding 2: the working directory was compared by device and inode, but open files
+    only by path: a process holding the watched dir (or a file in it) open through a bind-mount
+    alias, here or in a container's own mount namespace, was not a stray."""
+    settled(bw)
+    alias, ready = tmp_path / "alias", tmp_path / "ready"
+    alias.mkdir()
+    hold = f'exec {sys.executable} -c "$0" "$1/{held}" "$2"'
+    if where == "alias":  # in our own namespace: unmounted by the test
+        subprocess.run(["mount", "--bind", str(bw.cwd), str(alias)], check=True)
+        argv = ["sh", "-c", hold, HOLDS_OPEN, str(alias), str(ready)]
+    else:  # a private namespace: the mount goes with it
+        script = f'mount --bind "{bw.cwd}" "$1" && {hold}'
+        argv = [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            HOLDS_OPEN,
+            str(alias),
+            str(ready),
+        ]
+    proc = subprocess.Popen(argv)
+    try:
+        wait_until(ready.exists, what="the process holding it")
+        (reason,) = running_reasons(bw)
+        assert f"pid {proc.pid} " in reason["detail"] and f"holds {alias}/{held} open" in reason["detail"]
+    finally:
+        kill(proc)
+        if where == "alias":
+            subprocess.run(["umount", str(alias)], check=True)

@@ -4,6 +4,7 @@ noticed, only verified bytes are deleted. Each test failed on 34164bb (real daem
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 from collections.abc import Iterator
@@ -258,12 +259,16 @@ def test_start_job_is_refused_while_a_release_runs(tmp_path: Path) -> None:
         with ThreadPoolExecutor(1) as pool:
             release = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
             refused = None
+            # A program that cannot start: until the release runs, each try fails for that reason
+            # (a job started just before the release would rightly make it refuse).
+            probe = pb.StartJobRequest(argv=[str(tmp_path / "no-such-program")])
             while not release.done():
                 try:
-                    d.stub.StartJob(pb.StartJobRequest(argv=["true"]), timeout=10)
+                    d.stub.StartJob(probe, timeout=10)
                 except grpc.RpcError as e:
-                    refused = e
-                    break
+                    if "release" in (e.details() or ""):
+                        refused = e
+                        break
             assert release.result().deleted == ["big.bin"]
         assert refused is not None, "StartJob was never refused during the release"
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -423,3 +428,41 @@ def test_a_mount_inside_a_watched_dir_is_reported_not_looked_through(tmp_path: P
         finally:
             subprocess.run(["umount", str(sub)], check=True)
         assert not any(p.path == "sub2" for p in d.listing().pending)
+
+
+def test_a_file_sealed_while_the_release_proves_the_copies_is_never_deleted(tmp_path: Path) -> None:
+    """Review 8, finding 1: the release proved the verified claims durable (which takes a while),
+    then deleted every claim current by then, a file sealed meanwhile too: never pulled, perhaps
+    never durable, and `down` went on. Only the claims the verified digest named are released."""
+    with running(tmp_path) as d:
+        assert d.proc is not None
+        sidecar = d.proc.pid
+        (d.watch / "big.bin").write_bytes(os.urandom(1 << 20) * 80)  # proven by a hashing child
+        d.wait_durable(1)
+        req = pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest)
+        with ThreadPoolExecutor(1) as pool:
+            release = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
+            (hasher,) = wait_until(lambda: children_of(sidecar), what="the release's hashing child")
+            os.kill(hasher, signal.SIGSTOP)  # the proof of big.bin's copy waits
+            try:
+                (d.watch / "late.bin").write_bytes(b"written while the release proves the copies")
+                wait_until(lambda: claim_of(d, "late.bin"), what="late.bin sealed")
+            finally:
+                os.kill(hasher, signal.SIGCONT)
+            resp = release.result()
+        assert list(resp.deleted) == ["big.bin"]
+        assert [(r.code, r.path) for r in resp.refused] == [("MANIFEST_STALE", "late.bin")]
+        assert (d.watch / "late.bin").read_bytes() == b"written while the release proves the copies"
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                found.append(int(entry.name))
+    return found
