@@ -232,3 +232,18 @@ def bw(tmp_path: Path) -> Iterator[Bw]:
         yield b
     finally:
         b.cleanup()
+
+
+def children_of(parent: int, *, zombies: bool = False) -> list[int]:
+    """The live children of `parent` (or, with `zombies`, its children that are zombies)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):
+            continue
+        if int(ppid) == parent and (state in ("Z", "X")) == zombies:
+            found.append(int(entry.name))
+    return found

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from tests.conftest import wait_until
+from tests.conftest import children_of, wait_until
 from tests.sidecar.daemon import Daemon, make_daemon, running
 
 
@@ -453,16 +453,3 @@ def test_a_file_sealed_while_the_release_proves_the_copies_is_never_deleted(tmp_
         assert list(resp.deleted) == ["big.bin"]
         assert [(r.code, r.path) for r in resp.refused] == [("MANIFEST_STALE", "late.bin")]
         assert (d.watch / "late.bin").read_bytes() == b"written while the release proves the copies"
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
-                found.append(int(entry.name))
-    return found

@@ -8,7 +8,6 @@ kills whatever of them still lives at the end, so a failing test leaks nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -21,7 +20,7 @@ import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from sidecar.jobs import JobRecord, JobSupervisor
-from tests.conftest import pid_alive, wait_until
+from tests.conftest import children_of, pid_alive, wait_until
 from tests.sidecar.daemon import Daemon, make_daemon, running
 
 DEADLINE_S = 30.0
@@ -231,17 +230,6 @@ def test_stop_job_kills_the_escapee_too(tmp_path: Path, procs: Procs) -> None:
         assert listed(d, job.id).state == pb.JOB_STATE_STOPPED
 
 
-def zombies_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(FileNotFoundError, IndexError):
-                fields = _stat(int(entry.name))
-                if fields[0] == "Z" and int(fields[1]) == pid:
-                    found.append(int(entry.name))
-    return found
-
-
 def escaped_job(d: Daemon, procs: Procs, name: str) -> tuple[pb.Job, int, Path]:
     """A job whose leader exited, leaving a double-forked writer: (the job, the writer, its stop file)."""
     argv, pid_file, _, stop = procs.writer(name, "escape")
@@ -263,7 +251,7 @@ def test_orphans_reparent_to_the_jobs_keeper_and_are_reaped(tmp_path: Path, proc
         stop.touch()
         wait_job(d, job.id, "the job to end", lambda j: j.state == pb.JOB_STATE_EXITED)
         # The keeper exits with the job's last process, and the sidecar reaps it.
-        wait_until(lambda: not zombies_of(sidecar), timeout=DEADLINE_S, what="no zombie children")
+        wait_until(lambda: not children_of(sidecar, zombies=True), timeout=DEADLINE_S, what="no zombies")
         assert not Path(f"/proc/{escapee}").exists() and not Path(f"/proc/{keeper}").exists()
         # The hashing child (copies of 64 MiB and more) is the sidecar's child too: it must still
         # report its own digest, never lose its status to the reaper.
@@ -271,7 +259,7 @@ def test_orphans_reparent_to_the_jobs_keeper_and_are_reaped(tmp_path: Path, proc
         big.write_bytes(os.urandom(1 << 20) * 64)
         (claim,) = d.wait_durable(1, timeout=120)
         assert claim.size == 64 << 20
-        assert not zombies_of(sidecar)
+        assert not children_of(sidecar, zombies=True)
 
 
 def test_a_killed_keeper_leaves_the_jobs_orphans_to_the_sidecar(tmp_path: Path, procs: Procs) -> None:
@@ -293,7 +281,7 @@ def test_a_killed_keeper_leaves_the_jobs_orphans_to_the_sidecar(tmp_path: Path, 
         stop.touch()
         done = wait_job(d, job.id, "the job to end", lambda j: j.state != pb.JOB_STATE_RUNNING)
         assert (done.state, done.exit_code) == (pb.JOB_STATE_EXITED, 0)
-        wait_until(lambda: not zombies_of(sidecar), timeout=DEADLINE_S, what="no zombie children")
+        wait_until(lambda: not children_of(sidecar, zombies=True), timeout=DEADLINE_S, what="no zombies")
 
 
 class MemoryStore:

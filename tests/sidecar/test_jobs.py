@@ -21,7 +21,7 @@ import sidecar.jobs
 from sidecar import children
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
-from tests.conftest import wait_until
+from tests.conftest import children_of, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 15.0
@@ -279,22 +279,9 @@ def test_start_preconditions(tmp_path: Path) -> None:
         with pytest.raises(PreconditionError, match=r"cannot start './garbage': .*Exec format error"):
             await sup.start(["./garbage"])
         assert sup.jobs() == [] and events.items == []
-        assert not zombies_of(os.getpid())  # the keeper that reported it was reaped
+        assert not children_of(os.getpid(), zombies=True)  # the keeper that reported it was reaped
 
     run_supervised(tmp_path, body)
-
-
-def zombies_of(parent: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] == "Z" and int(fields[1]) == parent:
-                out.append(int(entry.name))
-    return out
 
 
 @pytest.mark.parametrize(
@@ -317,7 +304,7 @@ def test_a_keeper_that_never_reports_fails_the_start(
         with pytest.raises(PreconditionError, match=why):
             await sup.start(py("import time; time.sleep(60)"))
         assert sup.jobs() == [] and events.items == []
-        assert not zombies_of(os.getpid())  # killed if need be, and reaped
+        assert not children_of(os.getpid(), zombies=True)  # killed if need be, and reaped
 
     run_supervised(tmp_path, body)
 
@@ -475,7 +462,7 @@ def test_the_keeper_holds_the_job_and_is_not_part_of_it(tmp_path: Path) -> None:
         assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
         assert stopped.keeper_ended() and not stopped.keeper_lost
         await wait_gone(keeper)
-        assert not zombies_of(os.getpid())
+        assert not children_of(os.getpid(), zombies=True)
 
     run_supervised(tmp_path, body)
 
