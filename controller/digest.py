@@ -142,6 +142,7 @@ def _hash_in_child(fd: int, name: str, size: int) -> FileDigest | None:
         proc = subprocess.run(
             [sys.executable, "-I", "-c", _CHILD_HASH, f"/dev/fd/{fd}"],
             pass_fds=(fd,),
+            cwd="/",  # never where a box's jobs work: the sidecar's stray rule would count it
             capture_output=True,
             text=True,
             check=False,

@@ -61,6 +61,23 @@ def unescape(field: str) -> str:
     return "".join(out)
 
 
+def fs_path(path: str, points: Mounts) -> tuple[str, str] | None:
+    """Where `path` (as a process with these mounts names it) lies: (MAJOR:MINOR of its
+    filesystem, its path within that filesystem), through the top mount at the longest mount
+    point above it. A bind mount of a watched dir's subdirectory, anywhere and in any mount
+    namespace, lies inside the watched dir by this measure. None if no mount point is above it."""
+    best = ""
+    for point in points:
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+            best = point
+    if not best:
+        return None
+    major, minor, root = points[best][-1].split(":", 2)
+    rest = path[len(best) :].strip("/")
+    inner = root.rstrip("/") + "/" + rest if rest else root
+    return f"{major}:{minor}", inner or "/"
+
+
 def boot_id() -> str:
     try:
         with open(BOOT_ID, encoding="ascii") as f:

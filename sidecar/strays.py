@@ -29,7 +29,7 @@ import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sidecar import proctree
+from sidecar import mounts, proctree
 from sidecar.openfiles import DELETED, fd_paths
 
 _MAX_DEPTH = 256  # directories above a working directory that are looked at
@@ -56,18 +56,32 @@ class _Roots:
             except OSError:
                 continue
             self.ids.add((st.st_dev, st.st_ino))
+        self.devs = {dev for dev, _ in self.ids}
+        ours = mounts.read()
+        found = (mounts.fs_path(r, ours) for r in self.paths) if ours is not None else ()
+        self.inner = [f for f in found if f is not None]  # each root's place in its filesystem
+        self._ns_mounts: dict[int, mounts.Mounts | None] = {}
 
     def by_path(self, path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
 
-    def holds_dir(self, link: str, path: str) -> bool:
+    def holds_dir(self, link: str, path: str, pid: int) -> bool:
         """The directory behind `link` (a /proc/PID/task/TID cwd or root), which reads as `path`
         here, is a root or under one, however it is spelled: by that path, or by the device and
         inode of the directory and each one above it, looked at through the link, which leads into
         the process's own mount namespace (a container that bind-mounted a watched dir works in it
-        under a path that does not exist here)."""
-        if self.by_path(path):
+        under a path that does not exist here), or by where the path lies in its filesystem, read
+        from the process's mountinfo (a bind mount of a watched dir's subdirectory: ".." from its
+        root leaves the mount, never passing the watched dir). `pid` is the process's."""
+        if self.by_path(path) or self._walk(link):
             return True
+        try:  # on a watched dir's filesystem at all? (saves a mountinfo lookup per open file)
+            on_ours = os.stat(link).st_dev in self.devs
+        except OSError:
+            return False
+        return on_ours and self._by_mounts(path, pid)
+
+    def _walk(self, link: str) -> bool:
         here = link
         seen: tuple[int, int] | None = None
         for _ in range(_MAX_DEPTH):
@@ -84,6 +98,22 @@ class _Roots:
             here += "/.."
         return False
 
+    def _by_mounts(self, path: str, pid: int) -> bool:
+        if not self.inner:
+            return False
+        try:
+            ns = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        except OSError:
+            return False
+        if ns not in self._ns_mounts:  # one read per mount namespace and scan
+            self._ns_mounts[ns] = mounts.read(f"/proc/{pid}/mountinfo")
+        points = self._ns_mounts[ns]
+        found = mounts.fs_path(path, points) if points else None
+        if found is None:
+            return False
+        dev, inner = found
+        return any(dev == d and (inner == r or inner.startswith(r.rstrip("/") + "/")) for d, r in self.inner)
+
 
 def find(
     table: proctree.ProcTable,
@@ -93,14 +123,15 @@ def find(
     caller: Iterable[int] = (),
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
-    `caller`: the controller's process then its ancestors (a local box): the first with its
-    descendants is not a stray, nor is an ancestor whose every thread waits for a child (a shell
-    running the command that runs `down`): one that runs on meanwhile (a notebook kernel's
-    training thread, an event loop) is looked at like any other process."""
+    `caller`: the controller's process then its ancestors (a local box): the first is not a stray
+    (its own children, none of which works in a watched dir, are: a process the shell started
+    before it exec'd the controller is the controller's child too), nor is an ancestor whose every
+    thread waits for a child (a shell running the command that runs `down`): one that runs on
+    meanwhile (a notebook kernel's training thread, an event loop) is looked at like any other."""
     callers = list(caller)
     skip = set(exempt)
     if callers:
-        skip |= table.closure(callers[:1], set())
+        skip.add(callers[0])
         skip |= {pid for pid in callers[1:] if _only_waits(pid)}
     where = _Roots(roots)
     out = []
@@ -166,7 +197,7 @@ def _works_there(pid: int, where: _Roots) -> str:
                 continue
             if (kind, path) not in seen_dirs:
                 seen_dirs.add((kind, path))
-                if where.holds_dir(f"{task}/{kind}", path):
+                if where.holds_dir(f"{task}/{kind}", path, pid):
                     return f"{what} {path}" + ("" if tid == str(pid) else f" (thread {tid})")
         if not main and _shares(pid, int(tid), _KCMP_FILES):
             continue  # the main thread's table, looked at already: most threads share it
@@ -175,14 +206,14 @@ def _works_there(pid: int, where: _Roots) -> str:
                 if target in seen_files:
                     continue
                 seen_files.add(target)
-                if _holds(where, task, fd, target, seen_dirs):
+                if _holds(where, pid, task, fd, target, seen_dirs):
                     return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
         except OSError:  # gone, or not ours to look at
             continue
     return ""
 
 
-def _holds(where: _Roots, task: str, fd: str, target: str, seen: set[tuple[str, str]]) -> bool:
+def _holds(where: _Roots, pid: int, task: str, fd: str, target: str, seen: set[tuple[str, str]]) -> bool:
     """Whether the open file `target` (fd `fd` of /proc/PID/task/TID `task`) lies where the jobs
     work, however it is spelled. A directory counts by itself, a file where its directory is (a
     deleted file, or an O_TMPFILE that linkat() can still put in place, too). Compared by path,
@@ -194,12 +225,12 @@ def _holds(where: _Roots, task: str, fd: str, target: str, seen: set[tuple[str, 
     parent = os.path.dirname(path)
     if where.by_path(parent if gone else path):
         return True
-    if not gone and where.holds_dir(f"{task}/fd/{fd}", path):  # not a directory: no ".." to walk
+    if not gone and where.holds_dir(f"{task}/fd/{fd}", path, pid):  # a file: no ".." to walk
         return True
     if ("parent", parent) in seen:
         return False
     seen.add(("parent", parent))
-    return where.holds_dir(f"{task}/root{parent}", parent)
+    return where.holds_dir(f"{task}/root{parent}", parent, pid)
 
 
 _KCMP_FILES, _KCMP_FS = 2, 3

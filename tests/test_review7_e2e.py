@@ -4,11 +4,13 @@ not look."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,26 @@ def running_reasons(bw: Bw) -> list[dict[str, Any]]:
 def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.kill()
     proc.wait()
+
+
+@contextlib.contextmanager
+def aliased(source: Path, alias: Path, ns: str, code: str, *args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Python `code` run with `args` once `source` is bind-mounted at `alias`: in our own mount
+    namespace ("here": unmounted afterwards) or in a private one (it goes with the process)."""
+    run = f'exec {sys.executable} -c "$0" "$@"'
+    if ns == "here":
+        subprocess.run(["mount", "--bind", str(source), str(alias)], check=True)
+        argv = ["sh", "-c", run, code, *args]
+    else:
+        script = f'mount --bind "{source}" "{alias}" && {run}'
+        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, code, *args]
+    proc = subprocess.Popen(argv)
+    try:
+        yield proc
+    finally:
+        kill(proc)
+        if ns == "here":
+            subprocess.run(["umount", str(alias)], check=True)
 
 
 # -- F2: an orphan given to a job that had already ended, and the sidecar's subtree exempt ---------
@@ -257,30 +279,64 @@ def test_a_watched_dir_held_open_under_another_name_makes_a_stray(
     settled(bw)
     alias, ready = tmp_path / "alias", tmp_path / "ready"
     alias.mkdir()
-    hold = f'exec {sys.executable} -c "$0" "$1/{held}" "$2"'
-    if where == "alias":  # in our own namespace: unmounted by the test
-        subprocess.run(["mount", "--bind", str(bw.cwd), str(alias)], check=True)
-        argv = ["sh", "-c", hold, HOLDS_OPEN, str(alias), str(ready)]
-    else:  # a private namespace: the mount goes with it
-        script = f'mount --bind "{bw.cwd}" "$1" && {hold}'
-        argv = [
-            "unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "sh",
-            "-c",
-            script,
-            HOLDS_OPEN,
-            str(alias),
-            str(ready),
-        ]
-    proc = subprocess.Popen(argv)
-    try:
+    ns = "here" if where == "alias" else "namespace"
+    with aliased(bw.cwd, alias, ns, HOLDS_OPEN, f"{alias}/{held}", str(ready)) as proc:
         wait_until(ready.exists, what="the process holding it")
         (reason,) = running_reasons(bw)
         assert f"pid {proc.pid} " in reason["detail"] and f"holds {alias}/{held} open" in reason["detail"]
+
+
+# -- review 9: a subdirectory of a watched dir under another name; `exec boxwarden down` -----------
+
+WORKS_OR_HOLDS = """
+import os, sys, time
+how, where, ready = sys.argv[1:4]
+if how == "cwd":
+    os.chdir(where)
+else:  # an anonymous file there, which linkat() could put in place later
+    fd = os.open(where, os.O_TMPFILE | os.O_WRONLY, 0o644)
+    os.chdir("/")
+open(ready, "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(("how", "ns"), [("cwd", "here"), ("cwd", "namespace"), ("tmpfile", "here")])
+def test_a_bind_mount_of_a_watched_subdirectory_is_seen_as_the_watched_dir(
+    tmp_path: Path, bw: Bw, how: str, ns: str
+) -> None:
+    """Review 9, finding 1: from the root of a bind mount of ckpt/sub, ".." leads to the mount
+    point's parent, never through ckpt: a process working there (or holding an anonymous file
+    there) under the alias was not a stray. Where a path lies in its filesystem, read from the
+    process's mountinfo, says it is inside ckpt."""
+    p = settled(bw)
+    sub, alias, ready = p["watch"] / "sub", tmp_path / "alias", tmp_path / "ready"
+    sub.mkdir()
+    alias.mkdir()
+    with aliased(sub, alias, ns, WORKS_OR_HOLDS, how, str(alias), str(ready)) as proc:
+        wait_until(ready.exists, what="the process in the alias")
+        (reason,) = wait_until(lambda: running_reasons(bw), what="it counted")
+        assert f"pid {proc.pid} " in reason["detail"] and str(alias) in reason["detail"], reason
+
+
+def test_a_process_the_shell_started_before_it_execd_down_is_a_stray(tmp_path: Path, bw: Bw) -> None:
+    """Review 9, finding 2: the controller's descendants were exempt, and after `exec boxwarden
+    down` a trainer the shell had started in the workdir is one of them."""
+    p = settled(bw)
+    cli = f"{sys.executable} -m controller down {NAME} --dry-run --json"
+    pid_file = tmp_path / "sleeper.pid"
+    r = subprocess.run(
+        ["sh", "-c", f"sleep 600 </dev/null >/dev/null 2>&1 & echo $! > {pid_file}; exec {cli}"],
+        cwd=p["watch"],
+        env=bw.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    sleeper = int(pid_file.read_text())
+    try:
+        doc = json.loads(r.stdout)
+        reasons = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+        assert len(reasons) == 1 and f"pid {sleeper} (sleep 600)" in reasons[0]["detail"], doc
     finally:
-        kill(proc)
-        if where == "alias":
-            subprocess.run(["umount", str(alias)], check=True)
+        os.kill(sleeper, signal.SIGKILL)

@@ -79,3 +79,19 @@ def test_inside_lists_mount_points_strictly_under_the_root(tmp_path: Path) -> No
     )
     assert mounts.inside(Path("/w/ckpt"), points) == ["/w/ckpt/cell-b", "/w/ckpt/f.bin"]
     assert mounts.inside(Path("/w/ckpt"), None) == []
+
+
+def test_fs_path_places_a_path_within_its_filesystem_through_the_top_mount() -> None:
+    points = {
+        "/": ["8:1:/"],
+        "/data": ["8:2:/"],
+        "/mnt/alias": ["8:2:/work/ckpt/sub"],  # a bind mount of a subdirectory
+        "/stacked": ["8:1:/a", "8:2:/b"],  # the one mounted last is what the path shows
+    }
+    assert mounts.fs_path("/data/work/ckpt", points) == ("8:2", "/work/ckpt")
+    assert mounts.fs_path("/mnt/alias", points) == ("8:2", "/work/ckpt/sub")
+    assert mounts.fs_path("/mnt/alias/x/y", points) == ("8:2", "/work/ckpt/sub/x/y")
+    assert mounts.fs_path("/mnt/aliasx", points) == ("8:1", "/mnt/aliasx")  # not under /mnt/alias
+    assert mounts.fs_path("/stacked/z", points) == ("8:2", "/b/z")
+    assert mounts.fs_path("/", points) == ("8:1", "/")
+    assert mounts.fs_path("relative", points) is None
