@@ -255,6 +255,8 @@ def load_json_object(path: Path) -> dict[str, Any]:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise StateError(f"{path}: not valid JSON: {exc}") from exc
+    except RecursionError:  # arrays nested deeper than the parser's stack: no file of ours
+        raise StateError(f"{path}: not valid JSON: nested too deeply") from None
     if not isinstance(doc, dict):
         raise StateError(f"{path}: top level is not a JSON object")
     return doc

@@ -88,8 +88,9 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
         local = file_url_path(url)
         if local is not None:
             theirs.append((os.fspath(local), role))
-    for raw, role in theirs:
-        other = resolve_loose(raw)
+    resolved = [(resolve_loose(raw), role) for raw, role in theirs]
+    name = hello.box_name or "NAME"
+    for other, role in resolved:
         if mine == other:
             relation = "is"
         elif mine.is_relative_to(other):
@@ -102,12 +103,96 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
             relation = "contains (through a bind mount or another alias)"
         else:
             continue
-        name = hello.box_name or "NAME"
         return (
             f"the pulled tree {mine} {relation} the box's {role} {other}: the copy must be separate "
             f"from what it proves, or `down` would delete the only copy; pull into a directory outside "
             f"it, e.g. `boxwarden pull {name} --to ./pulled-{name}`"
         )
+    mounted = _mount_problem(mine, resolved)
+    if mounted:
+        return (
+            f"the pulled tree {mine} {mounted}: the copy must be separate from what it proves, or "
+            f"`down` would delete the only copy; pull into a plain directory outside it, e.g. "
+            f"`boxwarden pull {name} --to ./pulled-{name}`"
+        )
+    return None
+
+
+class _Mount:
+    """One line of /proc/self/mountinfo: where it is mounted, what it shows, what it is."""
+
+    def __init__(self, point: Path, dev: str, root: str, fstype: str, options: str) -> None:
+        self.point, self.dev, self.root, self.fstype, self.options = point, dev, root, fstype, options
+
+    def place(self, path: Path) -> str:
+        """Where `path`, under this mount, lies within the mounted filesystem."""
+        rest = path.relative_to(self.point).as_posix()
+        return os.path.normpath(os.path.join(self.root, rest)) if rest != "." else self.root
+
+
+def _mounts() -> list[_Mount]:
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+            out.append(
+                _Mount(
+                    Path(_unescape(fields[4])),
+                    fields[2],
+                    _unescape(fields[3]),
+                    fields[sep + 1],
+                    fields[sep + 3] if len(fields) > sep + 3 else "",
+                )
+            )
+        except (ValueError, IndexError):
+            continue
+    return out
+
+
+def _top_mount(mounts: list[_Mount], path: Path) -> _Mount | None:
+    """The mount `path` shows: at the deepest mount point above it, the one mounted last."""
+    best: _Mount | None = None
+    for m in mounts:
+        if path.is_relative_to(m.point) and (best is None or len(m.point.parts) >= len(best.point.parts)):
+            best = m
+    return best
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _mount_problem(mine: Path, others: list[tuple[Path, str]]) -> str | None:
+    """Why mounts make the pulled tree `mine` show the box's own files, or None: a filesystem
+    mounted inside it (what it shows is no copy), a bind mount that shows a watched (state,
+    durable) directory or one inside it (the same place in the same filesystem), or an overlay
+    whose layers are one of those."""
+    mounts = _mounts()
+    inside = sorted({str(m.point) for m in mounts if m.point != mine and m.point.is_relative_to(mine)})
+    if inside:
+        return f"has a filesystem mounted inside it, at {inside[0]}"
+    top = _top_mount(mounts, mine)
+    if top is None:
+        return None
+    for other, role in others:
+        theirs = _top_mount(mounts, other)
+        if theirs is not None and theirs.dev == top.dev and _related(top.place(mine), theirs.place(other)):
+            return f"shows the same files as the box's {role} {other} (through a bind mount)"
+        if top.fstype == "overlay":
+            layers = [
+                v
+                for opt in top.options.split(",")
+                if opt.partition("=")[0] in ("lowerdir", "upperdir")
+                for v in opt.partition("=")[2].split(":")
+                if v.startswith("/")
+            ]
+            if any(_related(os.path.realpath(v), str(other)) for v in layers):
+                return f"is an overlay mount with the box's {role} {other} as a layer"
     return None
 
 

@@ -17,6 +17,7 @@ An aside name is `.bw-release.<claim id>`; `restore_asides` undoes a release the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -168,7 +169,10 @@ class Releaser:
         ident = identity(path)
         if ident is None:
             return "already gone"
-        if ident != c.identity or c.path in self._s.dirty:
+        # A ctime of its own may move without its bytes (another name of the same file unlinked
+        # just now): the hash below decides then. Anything else means it changed.
+        same = dataclasses.replace(ident, ctime_ns=0) == dataclasses.replace(c.identity, ctime_ns=0)
+        if not same or c.path in self._s.dirty:
             return "changed since its claim"
         aside = path.with_name(f"{RELEASE_ASIDE_PREFIX}{c.id}")
         why, mismatch = await self._s.run(_delete_verified, path, aside, c)

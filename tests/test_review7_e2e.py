@@ -340,3 +340,43 @@ def test_a_process_the_shell_started_before_it_execd_down_is_a_stray(tmp_path: P
         assert len(reasons) == 1 and f"pid {sleeper} (sleep 600)" in reasons[0]["detail"], doc
     finally:
         os.kill(sleeper, signal.SIGKILL)
+
+
+# -- review 10, finding 1: a pulled tree that shows the box's own files through a mount ------------
+
+
+@pytest.mark.parametrize("how", ["bind-inside", "bind-at-root", "overlay"])
+def test_a_pulled_tree_that_shows_the_watched_files_through_a_mount_is_refused(
+    tmp_path: Path, bw: Bw, how: str
+) -> None:
+    """Review 10, finding 1: with a subdirectory of the watched dir bind-mounted inside (or at) the
+    pulled tree, or an overlay over it whose lower layer is the watched dir, `pull` found every
+    file "already present", `verify` passed, and `down` deleted the only copy outside durable."""
+    p = bw.up(NAME)
+    sub = p["watch"] / "run1"
+    sub.mkdir()
+    (sub / "x.bin").write_bytes(os.urandom(5000))
+    bw.wait_durable(NAME, 1)
+    pulled, mounted = tmp_path / "pulled", tmp_path / "pulled"
+    pulled.mkdir()
+    if how == "bind-inside":
+        mounted = pulled / "run1"
+        mounted.mkdir()
+        subprocess.run(["mount", "--bind", str(sub), str(mounted)], check=True)
+    elif how == "bind-at-root":
+        subprocess.run(["mount", "--bind", str(sub), str(pulled)], check=True)
+    else:
+        upper, work = tmp_path / "upper", tmp_path / "ovl-work"
+        upper.mkdir()
+        work.mkdir()
+        opts = f"lowerdir={p['watch']},upperdir={upper},workdir={work}"
+        subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(pulled)], check=True)
+    try:
+        r = bw("pull", NAME, "--to", str(pulled))
+        assert r.returncode == 2 and "refusing to pull" in r.stderr, r.stdout + r.stderr
+        # And the gate, for a tree pulled before the mount was made.
+        doc = json.loads(bw("down", NAME, "--dry-run", "--json", "--pulled", str(pulled)).stdout)
+        assert "EVIDENCE_OVERLAP" in {x["code"] for x in doc["reasons"]}, doc
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+    assert (sub / "x.bin").exists()

@@ -16,10 +16,12 @@ from pathlib import Path
 import pytest
 
 from controller.digest import CHILD_MIN, digest_file, manifest_digest
+from controller.errors import StateError
 from controller.manifest import (
     MARKER_NAME,
     Manifest,
     ManifestFile,
+    load_json_object,
     read_manifest,
     utc_now_iso,
     write_manifest,
@@ -210,3 +212,12 @@ def test_verify_of_a_directory_without_a_manifest_leaves_a_user_s_file_alone(tmp
     )
     assert r.returncode == 3 and "MANIFEST.json" in r.stdout + r.stderr
     assert mine.read_text() == "my precious marker notes"
+
+
+@pytest.mark.parametrize("name", ["MANIFEST.json", "PULL_VERIFIED.json"])
+def test_json_nested_past_the_parsers_stack_is_refused_as_invalid(tmp_path: Path, name: str) -> None:
+    """Review 10, finding 4: it was an "internal error: RecursionError" (exit 1)."""
+    deep = tmp_path / name
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(StateError, match="nested too deeply"):
+        load_json_object(deep)

@@ -453,3 +453,19 @@ def test_a_file_sealed_while_the_release_proves_the_copies_is_never_deleted(tmp_
         assert list(resp.deleted) == ["big.bin"]
         assert [(r.code, r.path) for r in resp.refused] == [("MANIFEST_STALE", "late.bin")]
         assert (d.watch / "late.bin").read_bytes() == b"written while the release proves the copies"
+
+
+def test_two_names_of_one_file_are_both_released(tmp_path: Path) -> None:
+    """Review 10, finding 3: unlinking the first name moved the second's ctime, and the release
+    kept it as "changed since its claim" (a half-done teardown, a writer to look for that is not
+    there). Its bytes decide: they are the claim's."""
+    with running(tmp_path) as d:
+        data = os.urandom(5000)
+        (d.watch / "a.bin").write_bytes(data)
+        os.link(d.watch / "a.bin", d.watch / "b.bin")
+        d.wait_durable(2)
+        req = pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest)
+        resp = d.stub.ReleaseArtifacts(req, timeout=60)
+        assert (sorted(resp.deleted), list(resp.refused), list(resp.kept)) == (["a.bin", "b.bin"], [], [])
+        assert not (d.watch / "a.bin").exists() and not (d.watch / "b.bin").exists()
+        assert (d.store / "b.bin").read_bytes() == data
