@@ -189,10 +189,10 @@ async def run(s: Settings) -> None:
         notify=journal.ring,
     )
 
-    def running_jobs(caller: Sequence[int]) -> list[str]:
+    async def running_jobs(caller: Sequence[int]) -> list[str]:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
-        return lines + [stray_line(x) for x in jobs.strays([str(d) for d in s.watch_dirs], caller)]
+        return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]
 
     releaser = Releaser(sealer, running_jobs)
     restored = await releaser.restore_asides()

@@ -24,8 +24,10 @@ Records from before keepers (no `keeper`) are watched through their leader, as t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -44,6 +46,7 @@ from typing import Any
 from sidecar import children, mounts, proctree, strays
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
+from sidecar.strays import Stray
 
 __all__ = ["JOB_EXITED", "JOB_STARTED", "JobRecord", "JobStore", "JobSupervisor", "read_start_ticks"]
 
@@ -61,6 +64,8 @@ _STOP_POLL_S = 0.05
 # After SIGKILL a process normally vanishes at once; one stuck in uncommon I/O (state D) may not.
 # StopJob then answers with the job still running instead of hanging the RPC.
 _KILL_WAIT_S = 5.0
+# A stray scan that has not finished by then is stuck in the kernel (a mount that does not answer).
+_STRAY_SCAN_S = 5.0
 # A keeper reports its leader (or why it could not start it) within this time, or StartJob fails.
 _KEEPER_REPORT_S = 60.0
 _KEEPER = Path(__file__).with_name("keeper.py")
@@ -147,6 +152,9 @@ class JobSupervisor:
         self._orphans: dict[str, set[int]] = {}
         self._starting: set[str] = set()
         self._boot = mounts.boot_id()
+        # One thread: a scan stuck in the kernel is never joined by a second one.
+        self._stray_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stray-scan")
+        self._stuck: tuple[asyncio.Future[list[Stray]], strays.Progress] | None = None
         self._poll_task: asyncio.Task[None] | None = None
         self._me = os.getpid()
         self._recovered = False
@@ -450,6 +458,7 @@ class JobSupervisor:
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
+        self._stray_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- watching ------------------------------------------------------------------------------
 
@@ -575,8 +584,16 @@ class JobSupervisor:
         except Exception:
             logger.exception("could not record the %s of job %s", what, job.id)
 
-    def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
-        """Processes outside every job's tree that work where the jobs work (see sidecar.strays)."""
+    async def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
+        """Processes outside every job's tree that work where the jobs work (see sidecar.strays).
+
+        The look at each process's directories and open files runs in a thread of its own, with a
+        deadline: a stat through a process's cwd on a network or FUSE mount that stopped answering
+        blocks in the kernel, and must not freeze the sidecar. A scan that misses its deadline (or
+        one still stuck from before) names the process it is stuck on as a stray: fail closed."""
+        stuck = self._stuck_scan()
+        if stuck is not None:
+            return [stuck]
         running = self.running()  # scans now, and brings every job's membership up to date
         table = proctree.scan()
         # The sidecar and its own children (keepers, the hashing child), not every process that
@@ -586,12 +603,28 @@ class JobSupervisor:
             exempt |= set(self._members(j, table))
             if j.keeper and table.live(j.keeper[0], j.keeper[1]):
                 exempt.add(j.keeper[0])  # it works in "/" and holds only the job's log
-        return strays.find(
+        progress = strays.Progress()
+        scan = functools.partial(
+            strays.find,
             table,
             roots=[*roots, str(self._default_cwd), *(j.cwd for j in self._jobs.values())],
             exempt=exempt,
             caller=caller,
+            progress=progress,
         )
+        future = asyncio.get_running_loop().run_in_executor(self._stray_pool, scan)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), _STRAY_SCAN_S)
+        except TimeoutError:
+            self._stuck = (future, progress)
+            logger.warning("the stray scan is stuck on pid %s (a mount that does not answer?)", progress.pid)
+            return [strays.stuck_on(progress.pid, _STRAY_SCAN_S)]
+
+    def _stuck_scan(self) -> Stray | None:
+        if self._stuck is None or self._stuck[0].done():
+            self._stuck = None
+            return None
+        return strays.stuck_on(self._stuck[1].pid, _STRAY_SCAN_S)
 
     def _check(self, job_id: str, table: proctree.ProcTable) -> bool:
         """Update one job from `table`; False when its anchor is gone and no member is left."""

@@ -224,6 +224,7 @@ class ArtifactNamer:
         (EACCES, EIO) or a path too long to open is reported as unclaimable with the reason. No
         symlink is followed."""
         out: list[Entry] = []
+        inner: set[str] = set()  # mount points inside a watched dir: reported, never entered
         points = mounts.read()
         now = mounts.signatures(self._roots, points) if self._signatures else {}
         for root in self._roots:
@@ -239,6 +240,7 @@ class ArtifactNamer:
                 )
             for point in mounts.inside(root, points):
                 out.append(self._problem(Path(point), _MOUNT_INSIDE))
+                inner.add(point)
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
@@ -263,6 +265,10 @@ class ArtifactNamer:
                     )
                     continue
                 for e in entries:
+                    if e.path in inner:
+                        # Not even looked at: a network or FUSE mount that stopped answering would
+                        # hang the walk (and every listing with it) in the kernel.
+                        continue
                     try:
                         st = e.stat(follow_symlinks=False)
                     except OSError as exc:

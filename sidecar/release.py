@@ -23,7 +23,7 @@ import fcntl
 import logging
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +61,7 @@ class ReleaseResult:
     refused: list[Refusal] = field(default_factory=list)
 
 
-RunningJobs = Callable[[Sequence[int]], list[str]]
+RunningJobs = Callable[[Sequence[int]], Awaitable[list[str]]]
 """A fresh answer: one line per job whose process tree still lives, and per stray process (see
 sidecar.strays); the argument is the caller's PIDs (ListJobsRequest.caller_pids)."""
 
@@ -119,7 +119,7 @@ class Releaser:
             refused.append(
                 Refusal("MANIFEST_STALE", detail="the box's claims changed since they were verified")
             )
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs(caller)]
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in await self._running_jobs(caller)]
         refused += [
             Refusal("NOT_DURABLE", c.path, c.push_error or "push not proven yet")
             for c in claims
@@ -152,7 +152,7 @@ class Releaser:
     async def _after(self, digest: str, result: ReleaseResult, caller: Sequence[int]) -> list[Refusal]:
         """What is on the box now that should stop the teardown."""
         refused = [Refusal("KEPT", k.split(": ", 1)[0], k.split(": ", 1)[-1]) for k in result.kept]
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in self._running_jobs(caller)]
+        refused += [Refusal("JOB_RUNNING", detail=j) for j in await self._running_jobs(caller)]
         remaining = self._s.ledger.current_claims()
         kept = {k.split(": ", 1)[0] for k in result.kept}
         for c in remaining:

@@ -331,7 +331,7 @@ class SidecarService:
     @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
         jobs = self._p.jobs.jobs()
-        found = self._p.jobs.strays([str(d) for d in self._p.settings.watch_dirs], request.caller_pids)
+        found = await self._p.jobs.strays([str(d) for d in self._p.settings.watch_dirs], request.caller_pids)
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
             strays=[

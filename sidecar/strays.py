@@ -115,12 +115,30 @@ class _Roots:
         return any(dev == d and (inner == r or inner.startswith(r.rstrip("/") + "/")) for d, r in self.inner)
 
 
+@dataclass(slots=True)
+class Progress:
+    """The process a scan is looking at now (so a scan stuck in the kernel can be named)."""
+
+    pid: int = 0
+
+
+def stuck_on(pid: int, seconds: float) -> Stray:
+    """The refusal for a process a scan could not finish looking at."""
+    why = (
+        f"could not be looked at: a look at its working directory or open files has not returned "
+        f"for over {seconds:.0f}s (a network or FUSE mount that stopped answering?), so nothing "
+        "shows that it does not work where the jobs work"
+    )
+    return Stray(pid, _command(pid), "?", 0, why)
+
+
 def find(
     table: proctree.ProcTable,
     *,
     roots: Iterable[str],
     exempt: set[int],
     caller: Iterable[int] = (),
+    progress: Progress | None = None,
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
     `caller`: the controller's process then its ancestors (a local box): the first is not a stray
@@ -138,6 +156,8 @@ def find(
     for p in table.procs.values():
         if p.pid in skip or p.zombie or p.kernel_thread:
             continue
+        if progress is not None:
+            progress.pid = p.pid
         cwd = _cwd(p.pid)
         if cwd is None:  # gone, or not ours to look at
             continue

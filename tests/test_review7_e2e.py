@@ -380,3 +380,41 @@ def test_a_pulled_tree_that_shows_the_watched_files_through_a_mount_is_refused(
     finally:
         subprocess.run(["umount", str(mounted)], check=True)
     assert (sub / "x.bin").exists()
+
+
+# -- review 10, finding 2: a dead FUSE (or network) mount inside a watched dir ---------------------
+
+
+@contextlib.contextmanager
+def dead_fuse(point: Path) -> Iterator[None]:
+    """A FUSE filesystem at `point` that never answers (as one does once its server or network is
+    gone): every look inside blocks until the connection is aborted, which closing its fd does."""
+    fd = os.open("/dev/fuse", os.O_RDWR)
+    try:
+        opts = f"fd={fd},rootmode=40000,user_id=0,group_id=0"
+        subprocess.run(
+            ["mount", "-t", "fuse", "-o", opts, "deadfuse", str(point)], pass_fds=(fd,), check=True
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        os.close(fd)
+        subprocess.run(["umount", "-l", str(point)], check=True)
+
+
+def test_a_dead_mount_inside_a_watched_dir_is_reported_never_entered(bw: Bw) -> None:
+    """The walk of the watched dirs looked at every mount point it had already found in mountinfo:
+    one that does not answer hung it, and every listing with it (SIDECAR_UNREACHABLE)."""
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    remote = p["watch"] / "remote"
+    remote.mkdir()
+    with dead_fuse(remote):
+        listing = bw.artifacts(NAME)
+        assert [c["path"] for c in listing["claims"]] == ["a.bin"]
+        (entry,) = [e for e in listing["pending"] if e["path"] == "remote"]
+        assert "mount point" in entry["detail"], entry

@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -561,3 +562,41 @@ def test_jobs_survive_a_sidecar_restart_and_can_be_stopped_after_it(tmp_path: Pa
         await wait_gone(job.pid)
 
     run_supervised(tmp_path, body, MemoryStore([job]))
+
+
+def test_a_stray_scan_stuck_in_the_kernel_names_the_process_and_never_freezes_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 10, finding 2: a stat through the cwd of a process on a dead FUSE or network mount
+    blocks in the kernel; the scan ran on the event loop and froze the whole sidecar. It runs in a
+    thread now, with a deadline: here it blocks (as such a stat does) on one process."""
+    release = threading.Event()
+    real = sidecar.strays._works_there
+    sleeper = subprocess.Popen(["sleep", "600"], cwd="/")
+
+    def blocks_on_it(pid: int, where: object) -> str:
+        if pid == sleeper.pid:
+            release.wait(60)
+        return real(pid, where)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("sidecar.strays._works_there", blocks_on_it)
+    monkeypatch.setattr("sidecar.jobs._STRAY_SCAN_S", 0.5)
+
+    async def body(sup: JobSupervisor, events: Events) -> None:
+        try:
+            (stuck,) = await sup.strays([str(tmp_path)])
+            assert stuck.pid == sleeper.pid and "could not be looked at" in stuck.why
+            threads = threading.active_count()
+            # Still stuck: the next scan says so at once, and starts no second thread.
+            (again,) = await sup.strays([str(tmp_path)])
+            assert again.pid == sleeper.pid and threading.active_count() == threads
+        finally:
+            release.set()
+        await until("the stuck scan to finish", lambda: sup._stuck is None or sup._stuck[0].done())
+        assert await sup.strays([str(tmp_path)]) == []
+
+    try:
+        run_supervised(tmp_path, body)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
