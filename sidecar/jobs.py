@@ -611,6 +611,7 @@ class JobSupervisor:
             exempt=exempt,
             caller=caller,
             progress=progress,
+            watched=roots,
         )
         future = asyncio.get_running_loop().run_in_executor(self._stray_pool, scan)
         try:

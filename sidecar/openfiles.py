@@ -95,6 +95,40 @@ def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Ite
         os.close(dir_fd)
 
 
+def watch_marks(pid: str, task: str | None = None) -> Iterator[tuple[int, int]]:
+    """(device, inode) of every inode the process watches through an inotify or fanotify fd (its
+    fdinfo lists each mark as `ino:HEX sdev:HEX`, sdev in the kernel's own encoding). Such a mark
+    pins a directory as surely as an open fd, and a handle in it reopens the directory."""
+    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+    dir_fd = os.open(f"{base}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fds = [fd for fd in os.listdir(dir_fd) if _is_notify(fd, dir_fd)]
+    finally:
+        os.close(dir_fd)
+    for fd in fds:
+        try:
+            with open(f"{base}/fdinfo/{fd}", "rb") as f:
+                info = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for line in info.splitlines():
+            if not line.startswith((b"inotify ", b"fanotify ")):
+                continue
+            fields = dict(kv.split(b":", 1) for kv in line.split()[1:] if b":" in kv)
+            try:
+                ino, sdev = int(fields[b"ino"], 16), int(fields[b"sdev"], 16)
+            except (KeyError, ValueError):
+                continue
+            yield os.makedev(sdev >> 20, sdev & 0xFFFFF), ino
+
+
+def _is_notify(fd: str, dir_fd: int) -> bool:
+    try:
+        return os.readlink(fd, dir_fd=dir_fd) in ("anon_inode:inotify", "anon_inode:[fanotify]")
+    except OSError:
+        return False
+
+
 def _under(target: str, mapped: list[tuple[str, Path]]) -> Path | None:
     for real, given in mapped:
         if target == real:

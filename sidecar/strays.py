@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
-from sidecar.openfiles import DELETED, fd_paths
+from sidecar.openfiles import DELETED, fd_paths, watch_marks
 
 _MAX_DEPTH = 256  # directories above a working directory that are looked at
 
@@ -47,8 +47,10 @@ class Stray:
 class _Roots:
     """The directories a stray may not work in, by real path and by (device, inode)."""
 
-    def __init__(self, roots: Iterable[str]) -> None:
+    def __init__(self, roots: Iterable[str], watched: Iterable[str] = ()) -> None:
         self.paths = sorted({os.path.realpath(r) for r in roots if r})
+        self._watched = [os.path.realpath(w) for w in watched if w]
+        self._dirs: set[tuple[int, int]] | None = None
         self.ids: set[tuple[int, int]] = set()
         for r in self.paths:
             try:
@@ -98,6 +100,24 @@ class _Roots:
             here += "/.."
         return False
 
+    def holds_inode(self, dev: int, ino: int) -> bool:
+        """Is (dev, ino) a root, or a directory inside a watched dir (those are walked once per
+        scan, and only when some process watches an inode on a root's filesystem)?"""
+        if (dev, ino) in self.ids:
+            return True
+        if dev not in self.devs:
+            return False
+        if self._dirs is None:
+            self._dirs = set()
+            for top in self._watched:
+                for d, _subdirs, _files in os.walk(top):
+                    try:
+                        st = os.lstat(d)
+                    except OSError:
+                        continue
+                    self._dirs.add((st.st_dev, st.st_ino))
+        return (dev, ino) in self._dirs
+
     def _by_mounts(self, path: str, pid: int) -> bool:
         if not self.inner:
             return False
@@ -139,6 +159,7 @@ def find(
     exempt: set[int],
     caller: Iterable[int] = (),
     progress: Progress | None = None,
+    watched: Iterable[str] = (),
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
     `caller`: the controller's process then its ancestors (a local box): the first is not a stray
@@ -151,7 +172,7 @@ def find(
     if callers:
         skip.add(callers[0])
         skip |= {pid for pid in callers[1:] if _only_waits(pid)}
-    where = _Roots(roots)
+    where = _Roots(roots, watched)
     out = []
     for p in table.procs.values():
         if p.pid in skip or p.zombie or p.kernel_thread:
@@ -228,6 +249,11 @@ def _works_there(pid: int, where: _Roots) -> str:
                 seen_files.add(target)
                 if _holds(where, pid, task, fd, target, seen_dirs):
                     return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
+            for dev, ino in watch_marks(str(pid), task=tid):
+                if where.holds_inode(dev, ino):
+                    return "watches a directory there for changes (inotify or fanotify)" + (
+                        "" if tid == str(pid) else f" (thread {tid})"
+                    )
         except OSError:  # gone, or not ours to look at
             continue
     return ""

@@ -418,3 +418,34 @@ def test_a_dead_mount_inside_a_watched_dir_is_reported_never_entered(bw: Bw) -> 
         assert [c["path"] for c in listing["claims"]] == ["a.bin"]
         (entry,) = [e for e in listing["pending"] if e["path"] == "remote"]
         assert "mount point" in entry["detail"], entry
+
+
+# -- review 11: a process that watches a watched dir for changes (and writes when it sees one) ----
+
+WATCHES = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fd = libc.inotify_init1(0)
+assert libc.inotify_add_watch(fd, sys.argv[1].encode(), 0x200 | 0x100 | 0x8) >= 0, ctypes.get_errno()
+os.chdir("/")
+open(sys.argv[2], "w").close()
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("watched", ["ckpt", "ckpt/sub"])
+def test_a_process_watching_a_watched_dir_with_inotify_is_a_stray(
+    tmp_path: Path, bw: Bw, watched: str
+) -> None:
+    """Review 11, finding 1: an agent that waits for the release's deletes and then writes a
+    checkpoint held nothing open but an inotify mark on the watched dir; `down` went ahead."""
+    p = settled(bw)
+    (p["watch"] / "sub").mkdir()
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen([sys.executable, "-c", WATCHES, str(bw.cwd / watched), str(ready)])
+    try:
+        wait_until(ready.exists, what="the watch")
+        (reason,) = wait_until(lambda: running_reasons(bw), what="it counted")
+        assert f"pid {proc.pid} " in reason["detail"] and "watches a directory there" in reason["detail"]
+    finally:
+        kill(proc)
