@@ -342,24 +342,8 @@ def _deepest_existing(path: Path) -> Path:
 
 def _filesystem_type(path: Path) -> str | None:
     """The type of the filesystem `path` lies on (from /proc/self/mountinfo), None if unknown."""
-    try:
-        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    best: tuple[int, str] | None = None
-    for line in lines:
-        fields = line.split()
-        try:
-            sep = fields.index("-")
-            mount_point = Path(_unescape(fields[4]))
-            fstype = fields[sep + 1]
-        except (ValueError, IndexError):
-            continue
-        if path.is_relative_to(mount_point):
-            depth = len(mount_point.parts)
-            if best is None or depth >= best[0]:
-                best = (depth, fstype)
-    return best[1] if best else None
+    top = _top_mount(_mounts(), path)
+    return top.fstype if top is not None else None
 
 
 def _unescape(field: str) -> str:

@@ -104,7 +104,7 @@ def _read_report(fd: int, timeout: float, keeper: int) -> str:
             if left <= 0:
                 raise TimeoutError
             if not select.select([fd], [], [], min(left, _STOP_POLL_S * 4))[0]:
-                _wake_if_stopped(keeper)
+                _wake_if_stopped(proctree.read_proc(keeper))  # our unreaped child: the PID is its
                 continue
             chunk = os.read(fd, 4096)
             if not chunk:
@@ -114,12 +114,11 @@ def _read_report(fd: int, timeout: float, keeper: int) -> str:
         os.close(fd)
 
 
-def _wake_if_stopped(pid: int, ticks: int | None = None) -> None:
-    """SIGCONT to the keeper `pid` (started at `ticks`; None: our unreaped child) if it is stopped:
-    the job it started may have stopped it, and a stopped keeper reaps nothing."""
-    p = proctree.read_proc(pid)
-    if p is not None and p.state in ("T", "t") and ticks in (None, p.start_ticks):
-        proctree.send_signal(p, signal.SIGCONT)
+def _wake_if_stopped(keeper: proctree.Proc | None) -> None:
+    """SIGCONT to a keeper that is stopped: the job it started may have stopped it, and a stopped
+    keeper reaps nothing."""
+    if keeper is not None and keeper.state in ("T", "t"):
+        proctree.send_signal(keeper, signal.SIGCONT)
 
 
 class JobSupervisor:
@@ -644,8 +643,9 @@ class JobSupervisor:
                 self._unwatch(asyncio.get_running_loop(), watch)
         if watch.anchor_done and watch.popen is None and self._keeper_vanished(job):
             job = self._flag_keeper_lost(job)
-        if job.keeper and not watch.anchor_done and table.procs.get(job.keeper[0]):
-            _wake_if_stopped(job.keeper[0], job.keeper[1])
+        keeper = table.procs.get(job.keeper[0]) if job.keeper and not watch.anchor_done else None
+        if keeper is not None and keeper.start_ticks == job.keeper[1]:
+            _wake_if_stopped(keeper)
         leader_live = table.live(job.pid, job.proc_start_ticks)
         if job.keeper and not watch.rc_known and not leader_live:
             # Only once the leader is gone: the job itself may write that file. Final only once

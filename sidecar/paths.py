@@ -342,12 +342,17 @@ def _why(exc: OSError) -> str:
     return f"{exc.strerror or exc}" if exc.strerror else str(exc)
 
 
-def open_regular(path: str | Path) -> int:
+def open_regular(path: str | Path, *, follow: bool = True) -> int:
     """`path` opened read-only, as an fd, only if it is a regular file. Never blocks: a job may put
     a FIFO where a file was, and a plain open() of one waits for a writer forever. OSError
-    (EINVAL, saying what it is) for anything else."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    mode = os.fstat(fd).st_mode
+    (EINVAL, saying what it is) for anything else; ELOOP for a symlink unless `follow`."""
+    nofollow = 0 if follow else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | nofollow)
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        os.close(fd)
+        raise
     if not stat.S_ISREG(mode):
         os.close(fd)
         raise OSError(errno.EINVAL, f"not a regular file but {file_type(mode)}", str(path))

@@ -22,7 +22,6 @@ import errno
 import fcntl
 import logging
 import os
-import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
 from sidecar.ledger import ClaimRow
 from sidecar.manifest import manifest_digest
 from sidecar.openfiles import open_for_write
-from sidecar.paths import RELEASE_ASIDE_PREFIX
+from sidecar.paths import RELEASE_ASIDE_PREFIX, open_regular
 from sidecar.renames import rename_noreplace
 from sidecar.sealer import Sealer, identity
 from sidecar.storage.fsio import hash_by_read
@@ -211,8 +210,6 @@ class Releaser:
             digest = await self._s.run(_hash_path, aside)
         except OSError as e:
             return f"cannot read it: {e.strerror}"
-        if digest is None:
-            return "not a regular file"
         if digest != claim.blake3:
             return f"its bytes are not claim {claim.id}'s ({claim.path})"
         try:
@@ -231,12 +228,12 @@ def _find_asides(roots: tuple[Path, ...]) -> list[Path]:
     return found
 
 
-def _hash_path(path: Path) -> str | None:
-    """Blocking: the digest of the regular file at `path`, None if it is anything else. Opened
+def _hash_path(path: Path) -> str:
+    """Blocking: the digest of the regular file at `path` (OSError for anything else). Opened
     without blocking: a FIFO given an aside's name would otherwise hang the sidecar's start."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = open_regular(path, follow=False)
     try:
-        return hash_by_read(fd) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        return hash_by_read(fd)
     finally:
         os.close(fd)
 

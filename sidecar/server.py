@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from sidecar import __version__
+from sidecar import __version__, mounts
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
@@ -37,7 +37,7 @@ from sidecar.identity import FileIdentity
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import ClaimRow, EventRow, Ledger
 from sidecar.manifest import manifest_digest
-from sidecar.paths import ArtifactNamer, file_type
+from sidecar.paths import ArtifactNamer, open_regular
 from sidecar.release import Releaser
 from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer
@@ -168,7 +168,7 @@ class SidecarService:
             version=__version__,
             box_name=s.box_name,
             hostname=socket.gethostname(),
-            boot_id=_boot_id(),
+            boot_id=mounts.boot_id(),
             profile=s.profile,
             watch_dirs=[str(d) for d in s.watch_dirs],
             durable_url=s.durable_url,
@@ -389,25 +389,18 @@ def _open_log(job_id: str, path: Path) -> int:
     write the log dir) may replace the file, and a plain open() of a FIFO waits for a writer
     forever, freezing every call. Only a regular file is read; a symlink is not followed."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        return open_regular(path, follow=False)
     except OSError as e:  # ENOENT and the like leave as themselves (rpcerrors maps them by errno)
-        if e.errno != errno.ELOOP:
-            raise
-        raise PreconditionError(
-            f"the log of job {job_id} ({path}) was replaced by a symlink, which is never followed"
-        ) from None
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
-        os.close(fd)
+        if e.errno == errno.ELOOP:
+            raise PreconditionError(
+                f"the log of job {job_id} ({path}) was replaced by a symlink, which is never followed"
+            ) from None
+        if e.errno == errno.EINVAL:  # something else than a regular file: strerror says what
+            raise PreconditionError(
+                f"the log of job {job_id} ({path}) is {e.strerror}: it was replaced after the job "
+                "started, so there is no log to show"
+            ) from None
         raise
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        raise PreconditionError(
-            f"the log of job {job_id} ({path}) is not a regular file but {file_type(mode)}: it was "
-            "replaced after the job started, so there is no log to show"
-        )
-    return fd
 
 
 def _released_message(box: str) -> str:
@@ -419,10 +412,3 @@ def _released_message(box: str) -> str:
         f"finish it: `boxwarden down {box} --confirm {box}`. To keep working on the box instead, stop "
         f"this sidecar (`kill {os.getpid()}`) and run `boxwarden up {box}` again with the same arguments"
     )
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""

@@ -75,22 +75,22 @@ class _Roots:
         under a path that does not exist here), or by where the path lies in its filesystem, read
         from the process's mountinfo (a bind mount of a watched dir's subdirectory: ".." from its
         root leaves the mount, never passing the watched dir). `pid` is the process's."""
-        if self.by_path(path) or self._walk(link):
+        if self.by_path(path):
             return True
-        try:  # on a watched dir's filesystem at all? (saves a mountinfo lookup per open file)
-            on_ours = os.stat(link).st_dev in self.devs
+        try:
+            st = os.stat(link)
         except OSError:
             return False
-        return on_ours and self._by_mounts(path, pid)
+        if self._walk(link, st):
+            return True
+        # On a watched dir's filesystem at all? (saves a mountinfo lookup per open file)
+        return st.st_dev in self.devs and self._by_mounts(path, pid)
 
-    def _walk(self, link: str) -> bool:
+    def _walk(self, link: str, st: os.stat_result) -> bool:
+        """Up from `link` (whose stat is `st`) through "..", by device and inode."""
         here = link
         seen: tuple[int, int] | None = None
         for _ in range(_MAX_DEPTH):
-            try:
-                st = os.stat(here)
-            except OSError:
-                return False
             ident = (st.st_dev, st.st_ino)
             if ident in self.ids:
                 return True
@@ -98,6 +98,10 @@ class _Roots:
                 return False
             seen = ident
             here += "/.."
+            try:
+                st = os.stat(here)
+            except OSError:
+                return False
         return False
 
     def holds_inode(self, dev: int, ino: int) -> bool:

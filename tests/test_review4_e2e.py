@@ -31,6 +31,18 @@ def dry(bw: Bw, name: str = NAME) -> dict[str, Any]:
     return doc
 
 
+def pulled_box(bw: Bw, files: dict[str, bytes]) -> tuple[dict[str, Path], Path]:
+    """Box NAME up with `files` in its watched dir, all durable, pulled to ./pulled and verified."""
+    p = bw.up(NAME)
+    for name, data in files.items():
+        (p["watch"] / name).write_bytes(data)
+    bw.wait_durable(NAME, len(files))
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    return p, pulled
+
+
 def up_args(bw: Bw, *extra: str) -> tuple[str, ...]:
     return ("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", *extra)
 
@@ -128,13 +140,7 @@ def test_files_the_box_no_longer_claims_stay_verified_in_the_pulled_tree(bw: Bw)
     """After a verified pull the box drops some files (an interrupted release deleted them, or the
     trainer rotates its checkpoints): pulling again used to leave them EXTRA, and only deleting the
     user's own verified copies by hand let verify and down pass."""
-    p = bw.up(NAME)
-    for i in range(4):
-        (p["watch"] / f"f{i}.bin").write_bytes(bytes([i]) * 1000)
-    bw.wait_durable(NAME, 4)
-    pulled = bw.cwd / "pulled"
-    bw.ok("pull", NAME, "--to", str(pulled))
-    bw.ok("verify", str(pulled))
+    p, pulled = pulled_box(bw, {f"f{i}.bin": bytes([i]) * 1000 for i in range(4)})
     (p["watch"] / "f0.bin").unlink()
     (p["watch"] / "f1.bin").rename(p["watch"] / "f1-renamed.bin")
     (pulled / "stranger.bin").write_bytes(b"not from the box")
@@ -272,12 +278,7 @@ def test_a_process_in_another_mount_namespace_working_in_the_watched_dir_is_a_st
     tmp_path: Path, bw: Bw
 ) -> None:
     """A container that bind-mounted the watched dir at a path of its own and works there."""
-    p = bw.up(NAME)
-    (p["watch"] / "a.bin").write_bytes(b"a")
-    bw.wait_durable(NAME, 1)
-    pulled = bw.cwd / "pulled"
-    bw.ok("pull", NAME, "--to", str(pulled))
-    bw.ok("verify", str(pulled))
+    p, _ = pulled_box(bw, {"a.bin": b"a"})
     assert dry(bw)["allowed"] is True
     inside = tmp_path / "ctr"  # empty here; the watched dir inside the namespace
     inside.mkdir()
@@ -337,13 +338,7 @@ def test_a_thread_working_in_the_watched_dir_is_a_stray(tmp_path: Path, bw: Bw, 
 def test_up_after_an_interrupted_teardown_continues_the_same_run(bw: Bw) -> None:
     """Review 6, finding 3: the release stopped part-way and the sidecar died; `up` started a new
     run, so the verified tree no longer counted ("nothing pulled yet", then MANIFEST_STALE)."""
-    p = bw.up(NAME)
-    for i in range(3):
-        (p["watch"] / f"f{i}.bin").write_bytes(bytes([i]) * 100)
-    bw.wait_durable(NAME, 3)
-    pulled = bw.cwd / "pulled"
-    bw.ok("pull", NAME, "--to", str(pulled))
-    bw.ok("verify", str(pulled))
+    p, pulled = pulled_box(bw, {f"f{i}.bin": bytes([i]) * 100 for i in range(3)})
     state = State(bw.home)
     box = state.get(NAME)
     # What an interrupted `down` leaves: the release recorded as taken, one file already released.

@@ -17,17 +17,12 @@ from typing import Any
 import pytest
 
 from tests.conftest import Bw, pid_alive, wait_until
-from tests.test_review4_e2e import NAME, dry
+from tests.test_review4_e2e import NAME, dry, pulled_box
 
 
 def settled(bw: Bw) -> dict[str, Path]:
     """A box with one durable file, pulled and verified: only what the test adds may refuse."""
-    p = bw.up(NAME)
-    (p["watch"] / "a.bin").write_bytes(b"a")
-    bw.wait_durable(NAME, 1)
-    pulled = bw.cwd / "pulled"
-    bw.ok("pull", NAME, "--to", str(pulled))
-    bw.ok("verify", str(pulled))
+    p, _ = pulled_box(bw, {"a.bin": b"a"})
     assert dry(bw)["allowed"] is True
     return p
 
