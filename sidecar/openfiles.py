@@ -2,8 +2,9 @@
 
 This is the gate's UNSEALED_WRITES evidence: a file still open for write may be half written, so
 `down` must not pass while one exists. The answer comes from /proc (fd links plus the access mode
-in fdinfo), not from lsof/fuser, which may be missing on the box. A process whose fds we may not
-read is counted, so the caller can fail closed instead of trusting a partial scan.
+in fdinfo, and the shared writable mappings in maps, which write with their fd closed), not from
+lsof/fuser, which may be missing on the box. A process whose fds we may not read is counted, so
+the caller can fail closed instead of trusting a partial scan.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
         shown = _under(target, mapped)
         if shown is not None and _opened_for_write(pid, fd):
             out.add(shown)
+    # A shared writable mapping writes into the file with no fd left open (mmap, then close).
+    for target in mapped_files(pid, shared_writable=True):
+        shown = None if target.endswith(DELETED) else _under(target, mapped)
+        if shown is not None:
+            out.add(shown)
 
 
 def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Iterator[tuple[str, str]]:
@@ -93,6 +99,33 @@ def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Ite
                 yield fd, target
     finally:
         os.close(dir_fd)
+
+
+def mapped_files(pid: str, task: str | None = None, *, shared_writable: bool = False) -> Iterator[str]:
+    """The path of each file the process maps into memory (its executable and libraries too), from
+    /proc/PID/maps; with `shared_writable` only the MAP_SHARED mappings that may write into the file
+    now. A mapping outlives the fd it was made from, and a deleted file's path ends in DELETED.
+    The kernel writes a newline in a name as \\012: such a path comes both ways. [] for a process
+    with no memory (a zombie's main thread: ask a live `task`). PermissionError if its maps may not
+    be read, FileNotFoundError or ProcessLookupError if it is gone."""
+    where = f"/proc/{pid}/maps" if task is None else f"/proc/{pid}/task/{task}/maps"
+    with open(where, "rb") as f:
+        data = f.read()
+    if shared_writable and b"w-s " not in data and b"wxs " not in data:
+        return
+    seen: set[bytes] = set()
+    for line in data.splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) < 6 or not fields[5].startswith(b"/") or fields[5] in seen:
+            continue
+        perms = fields[1]
+        if shared_writable and not (perms[1:2] == b"w" and perms[3:4] == b"s"):
+            continue
+        seen.add(fields[5])
+        path = os.fsdecode(fields[5])
+        yield path
+        if "\\012" in path:
+            yield path.replace("\\012", "\n")
 
 
 def watch_marks(pid: str, task: str | None = None) -> Iterator[tuple[int, int]]:

@@ -11,7 +11,9 @@ A stray is a live process, not a member of any job, not the sidecar's own and no
 its shell), whose working directory is the workdir, a job's cwd or a watched dir, or lies under
 one (compared by path and, for bind-mount aliases and other mount namespaces, by device and
 inode), or which holds any file or directory there open (a deleted one too, where its directory
-was: an O_TMPFILE may still be linked in). Every thread counts: one that unshared its cwd or its
+was: an O_TMPFILE may still be linked in), or maps one into memory (a MAP_SHARED mapping writes
+with its fd closed; an executable or library run from the workdir ties the process to it too), or
+watches a directory there through inotify or fanotify. Every thread counts: one that unshared its cwd or its
 file table is looked at too, and so does a process whose main thread exited while others run on.
 The rule asks nothing else, so a shell left standing in the workdir (other than the one running
 `down`) holds the gate too: its line says to leave.
@@ -30,7 +32,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
-from sidecar.openfiles import DELETED, fd_paths, watch_marks
+from sidecar.openfiles import DELETED, fd_paths, mapped_files, watch_marks
 
 _MAX_DEPTH = 256  # directories above a working directory that are looked at
 
@@ -260,6 +262,31 @@ def _works_there(pid: int, where: _Roots) -> str:
                     )
         except OSError:  # gone, or not ours to look at
             continue
+    return _maps_there(pid, where, seen_dirs)
+
+
+def _maps_there(pid: int, where: _Roots, seen: set[tuple[str, str]]) -> str:
+    """Why process `pid` maps a file from where the jobs work into memory ("" if it does not): its
+    executable, a library, or a file it mapped and closed (a MAP_SHARED mapping writes into the
+    file with no fd open). Threads share one memory map; a zombie main thread has none, so the
+    first thread that has one answers."""
+    for tid in _tasks(pid):
+        try:
+            paths = list(mapped_files(str(pid), task=tid))
+        except OSError:
+            continue
+        if not paths:
+            continue
+        task = f"/proc/{pid}/task/{tid}"
+        for path in paths:
+            gone = path.endswith(DELETED)
+            parent = os.path.dirname(path[: -len(DELETED)] if gone else path)
+            if ("parent", parent) in seen:
+                continue
+            seen.add(("parent", parent))
+            if where.by_path(parent) or where.holds_dir(f"{task}/root{parent}", parent, pid):
+                return f"maps {path} into memory"
+        return ""
     return ""
 
 

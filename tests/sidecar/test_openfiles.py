@@ -126,3 +126,54 @@ def test_write_lease_says_whether_anyone_writes_the_file(tmp_path: Path) -> None
     assert write_lease_blocked(tmp_path / "missing") is None
     os.mkfifo(tmp_path / "fifo")
     assert write_lease_blocked(tmp_path / "fifo") is None
+
+
+MAPS_AND_CLOSES = """
+import ctypes, mmap, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+c = ctypes
+libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+fd = os.open(sys.argv[1], os.O_RDWR if sys.argv[2] == "w" else os.O_RDONLY)
+prot = mmap.PROT_READ | (mmap.PROT_WRITE if sys.argv[2] == "w" else 0)
+flags = mmap.MAP_SHARED if sys.argv[3] == "shared" else mmap.MAP_PRIVATE
+assert libc.mmap(None, 4096, prot, flags, fd, 0) not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+os.close(fd)  # the mapping alone holds the file now
+os.chdir("/")
+print("ready", os.listdir("/proc/self/fd"), flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def mapped(path: Path, access: str, kind: str) -> Iterator[int]:
+    """Another process maps `path` (access "w" or "r", kind "shared" or "private") and closes the
+    fd, until the block ends; yields its pid."""
+    with subprocess.Popen(
+        [sys.executable, "-c", MAPS_AND_CLOSES, str(path), access, kind],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as proc:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdout.readline() == "ready ['0', '1', '2', '3']\n"  # no fd on the file left
+        try:
+            yield proc.pid
+        finally:
+            proc.stdin.close()
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("access", "kind", "reported"), [("w", "shared", True), ("w", "private", False), ("r", "shared", False)]
+)
+def test_a_shared_writable_mapping_is_a_writer_without_an_fd(
+    root: Path, access: str, kind: str, reported: bool
+) -> None:
+    """Review 12: mmap(MAP_SHARED, PROT_WRITE) then close(fd) writes into the file with no fd
+    open; the /proc scan saw nothing, so the gate passed a checkpoint still being written."""
+    target = root / "weights.bin"
+    target.write_bytes(b"\0" * 4096)
+    with mapped(target, access, kind):
+        assert (target in open_for_write([root]).paths) is reported
+    assert target not in open_for_write([root]).paths
