@@ -240,7 +240,10 @@ async def up(
         )
     first_time = not box.notices_shown
     box = box.with_(sidecar_pid=res.hello.pid, status="up", notices_shown=True)
-    state.put(box)
+    # A sidecar answers: whatever an interrupted teardown did to an earlier one (released, stopped,
+    # seen gone) no longer says anything about the box, which is watched again and may hold new
+    # claims. A later `down` goes through the gate; only a meter stop already sent is remembered.
+    state.set_teardown(box, teardown.kept_by_up(state.teardown_steps(name)))
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
 
 

@@ -35,8 +35,11 @@ from controller.profiles import Profile
 from controller.reach import target
 from controller.state import Box, State, Step
 
-RELEASE, SHUTDOWN, METER_STOP = "release", "shutdown", "meter_stop"
-STEP_ORDER = (RELEASE, SHUTDOWN, METER_STOP)
+RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_gone", "meter_stop"
+STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP)
+# What stays true of the box once a sidecar answers `up` again: its meter stop may have been sent
+# (the next stop polls first). The other steps were taken on a sidecar that is not the one watching.
+KEPT_BY_UP = (METER_STOP,)
 UNFINISHED_CODE = "TEARDOWN_UNFINISHED"
 
 
@@ -62,6 +65,7 @@ class Unfinished:
         said = {
             RELEASE: "release of box-side copies requested",
             SHUTDOWN: "sidecar stop requested",
+            SIDECAR_GONE: "sidecar seen gone",
             METER_STOP: "meter stop sent",
         }
         parts = []
@@ -79,6 +83,11 @@ class Unfinished:
             "steps": {n: {"at": when(s.at_ns), "detail": s.detail} for n, s in self.steps.items()},
             "summary": self.describe(),
         }
+
+
+def kept_by_up(steps: Mapping[str, Step]) -> dict[str, Step]:
+    """The steps of an interrupted teardown that still hold once `up` has a sidecar answering."""
+    return {name: s for name, s in steps.items() if name in KEPT_BY_UP}
 
 
 def unfinished(state: State, box: Box) -> Unfinished | None:
@@ -223,6 +232,9 @@ async def teardown(
                 f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
                 f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
             )
+        # Only now is it known that nothing watches (or seals) anything after the release: a
+        # teardown stopped before this line never lets a later `down` skip the gate.
+        state.step(tearing, SIDECAR_GONE, f"pid {hello.pid}")
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
         await _meter(state, box, profile, result, manual_done, retry=retry, send=True)
@@ -254,7 +266,9 @@ async def retry_meter(
     record.update(continues=u.to_json(), resend_stop=resend_stop, gate="not run: the sidecar does not answer")
 
     async def steps() -> None:
-        if ms.mode == "none" and SHUTDOWN not in u.steps and u.status != "meter-unproven":
+        if ms.mode == "none" and SIDECAR_GONE not in u.steps and u.status != "meter-unproven":
+            # Nothing but the sidecar's end says this box is done, and its end after the release was
+            # never seen: it may have lived on (a Ctrl-C before Shutdown) and sealed more since.
             raise unfinished_refusal(box, u, resend=False)
         meter = await _meter(state, box, profile, result, manual_done, retry=True, send=resend_stop)
         if ms.mode == "argv" and not meter.gone and not meter.sent:

@@ -13,6 +13,7 @@ import errno
 import fcntl
 import logging
 import os
+import re
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,15 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
         shown = None if target.endswith(DELETED) else _under(target, mapped)
         if shown is not None:
             out.add(shown)
+    # So does a file registered with an io_uring; its access mode does not show: the kernel's
+    # lease says whether anyone writes it.
+    registered, unsure = ring_files(pid)
+    for target in registered:
+        shown = None if target.endswith(DELETED) else _under(target, mapped)
+        if shown is not None and write_lease_blocked(shown) is not False:
+            out.add(shown)
+    if unsure:
+        raise PermissionError(f"the files of an io_uring of process {pid} could not be read")
 
 
 def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Iterator[tuple[str, str]]:
@@ -156,10 +166,69 @@ def watch_marks(pid: str, task: str | None = None) -> Iterator[tuple[int, int]]:
 
 
 def _is_notify(fd: str, dir_fd: int) -> bool:
+    return _link(fd, dir_fd) in ("anon_inode:inotify", "anon_inode:[fanotify]")
+
+
+def _link(fd: str, dir_fd: int) -> str:
     try:
-        return os.readlink(fd, dir_fd=dir_fd) in ("anon_inode:inotify", "anon_inode:[fanotify]")
+        return os.readlink(fd, dir_fd=dir_fd)
     except OSError:
-        return False
+        return ""
+
+
+_RING = "anon_inode:[io_uring]"
+_RING_TRIES = 3
+
+
+def ring_files(pid: str, task: str | None = None) -> tuple[list[str], bool]:
+    """The paths of the files registered with each io_uring the process holds: a registered file
+    stays open (and writable, if it was opened so) in the ring after its fd is closed. And whether
+    some ring's table could not be read (its fdinfo lists the files only when the ring's lock is
+    free: asked up to three times; a kernel too old to list them counts so too). PermissionError,
+    FileNotFoundError or ProcessLookupError as fd_paths."""
+    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+    dir_fd = os.open(f"{base}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        rings = [fd for fd in os.listdir(dir_fd) if _link(fd, dir_fd) == _RING]
+    finally:
+        os.close(dir_fd)
+    paths: list[str] = []
+    unsure = False
+    for fd in rings:
+        for _ in range(_RING_TRIES):
+            try:
+                with open(f"{base}/fdinfo/{fd}", "rb") as f:
+                    listed = _registered(f.read())
+            except (FileNotFoundError, ProcessLookupError):
+                listed = []  # closed mid-scan
+            if listed is not None:
+                paths += listed
+                break
+        else:
+            unsure = True
+    return paths, unsure
+
+
+def _registered(info: bytes) -> list[str] | None:
+    """The paths under `UserFiles:` in an io_uring's fdinfo (None when it has no such section).
+    The kernel escapes space, tab, newline and backslash in them as octal."""
+    lines = info.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith(b"UserFiles:"))
+    except StopIteration:
+        return None
+    out = []
+    for line in lines[start + 1 :]:
+        index, sep, name = line.strip().partition(b": ")
+        if not sep or not index.isdigit():
+            break
+        if name.startswith(b"/"):
+            out.append(os.fsdecode(_unescape(name)))
+    return out
+
+
+def _unescape(name: bytes) -> bytes:
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8) & 0xFF]), name)
 
 
 def _under(target: str, mapped: list[tuple[str, Path]]) -> Path | None:

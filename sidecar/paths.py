@@ -292,6 +292,7 @@ class ArtifactNamer:
                                 p,
                                 f"a symlink (to {target!r}) is never followed: copy what it points to "
                                 "into the watched dir, or exclude it",
+                                excludable=True,
                             )
                         )
                     else:
@@ -299,6 +300,7 @@ class ArtifactNamer:
                             self._problem(
                                 Path(e.path),
                                 f"not a regular file ({file_type(st.st_mode)}): remove it or exclude it",
+                                excludable=True,
                             )
                         )
         return out
@@ -318,9 +320,13 @@ class ArtifactNamer:
         kind, why = self.kind_of(art)
         return Entry(art, where, st, kind, why)
 
-    def _problem(self, p: Path, why: str) -> Entry:
+    def _problem(self, p: Path, why: str, *, excludable: bool = False) -> Entry:
+        """An entry the walk cannot claim. Only a single entry that is not a directory (a symlink,
+        a FIFO, a device) may be excluded by a pattern; a directory that hides what it holds (a
+        mount point, one that cannot be listed, the watched dir itself) never is: a pattern names
+        files, and `*.log` would otherwise drop a whole subtree because of its top's name."""
         art = self.to_artifact(p) or (p.name if self._prefixed else ".")
-        if self.is_excluded(art):
+        if excludable and self.is_excluded(art):
             return Entry(art, str(p), None, "excluded", "matches an exclude pattern given at up")
         return Entry(art, str(p), None, "unclaimable", why)
 

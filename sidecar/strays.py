@@ -11,7 +11,8 @@ A stray is a live process, not a member of any job, not the sidecar's own and no
 its shell), whose working directory is the workdir, a job's cwd or a watched dir, or lies under
 one (compared by path and, for bind-mount aliases and other mount namespaces, by device and
 inode), or which holds any file or directory there open (a deleted one too, where its directory
-was: an O_TMPFILE may still be linked in), or maps one into memory (a MAP_SHARED mapping writes
+was: an O_TMPFILE may still be linked in; or registered with an io_uring, its fd closed), or
+maps one into memory (a MAP_SHARED mapping writes
 with its fd closed; an executable or library run from the workdir ties the process to it too), or
 watches a directory there through inotify or fanotify. Every thread counts: one that unshared its cwd or its
 file table is looked at too, and so does a process whose main thread exited while others run on.
@@ -32,7 +33,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
-from sidecar.openfiles import DELETED, fd_paths, mapped_files, watch_marks
+from sidecar.openfiles import DELETED, fd_paths, mapped_files, ring_files, watch_marks
 
 _MAX_DEPTH = 256  # directories above a working directory that are looked at
 
@@ -171,13 +172,22 @@ def find(
     `caller`: the controller's process then its ancestors (a local box): the first is not a stray
     (its own children, none of which works in a watched dir, are: a process the shell started
     before it exec'd the controller is the controller's child too), nor is an ancestor whose every
-    thread waits for a child (a shell running the command that runs `down`): one that runs on
-    meanwhile (a notebook kernel's training thread, an event loop) is looked at like any other."""
+    thread waits for a child and whose one live child is the next on the way to the controller (a
+    shell running the command that runs `down`): one that runs on meanwhile (a notebook kernel's
+    training thread, an event loop) or has another child to wait for (a training thread waiting
+    for its eval step) is looked at like any other."""
     callers = list(caller)
     skip = set(exempt)
     if callers:
         skip.add(callers[0])
-        skip |= {pid for pid in callers[1:] if _only_waits(pid)}
+        kids = table.children()
+        for i in range(1, len(callers)):  # (zip's strict= is not in 3.9)
+            pid, child = callers[i], callers[i - 1]
+            # It waits for the one child that leads to the controller, and for nothing else: a
+            # thread that waits for an eval step it started runs on (and saves) when that ends.
+            live = [k for k in kids.get(pid, []) if k in table.procs and not table.procs[k].zombie]
+            if live == [child] and _only_waits(pid):
+                skip.add(pid)
     where = _Roots(roots, watched)
     out = []
     for p in table.procs.values():
@@ -253,13 +263,19 @@ def _works_there(pid: int, where: _Roots) -> str:
                 if target in seen_files:
                     continue
                 seen_files.add(target)
-                if _holds(where, pid, task, fd, target, seen_dirs):
+                if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/fd/{fd}"):
                     return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
             for dev, ino in watch_marks(str(pid), task=tid):
                 if where.holds_inode(dev, ino):
                     return "watches a directory there for changes (inotify or fanotify)" + (
                         "" if tid == str(pid) else f" (thread {tid})"
                     )
+            registered, unsure = ring_files(str(pid), task=tid)
+            for target in registered:
+                if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/root{target}"):
+                    return f"holds {target} open through an io_uring"
+            if unsure:
+                return "holds an io_uring whose registered files could not be read (busy?)"
         except OSError:  # gone, or not ours to look at
             continue
     return _maps_there(pid, where, seen_dirs)
@@ -279,31 +295,29 @@ def _maps_there(pid: int, where: _Roots, seen: set[tuple[str, str]]) -> str:
             continue
         task = f"/proc/{pid}/task/{tid}"
         for path in paths:
-            gone = path.endswith(DELETED)
-            parent = os.path.dirname(path[: -len(DELETED)] if gone else path)
-            if ("parent", parent) in seen:
-                continue
-            seen.add(("parent", parent))
-            if where.by_path(parent) or where.holds_dir(f"{task}/root{parent}", parent, pid):
+            if _named_there(where, pid, task, path, seen):
                 return f"maps {path} into memory"
         return ""
     return ""
 
 
-def _holds(where: _Roots, pid: int, task: str, fd: str, target: str, seen: set[tuple[str, str]]) -> bool:
-    """Whether the open file `target` (fd `fd` of /proc/PID/task/TID `task`) lies where the jobs
-    work, however it is spelled. A directory counts by itself, a file where its directory is (a
-    deleted file, or an O_TMPFILE that linkat() can still put in place, too). Compared by path,
-    then by device and inode: through the fd for a directory, and for a file through the task's
-    root (/proc/.../root leads into its mount namespace: a container's bind mount of the workdir
-    at a path of its own, or a bind-mount alias here)."""
+def _named_there(
+    where: _Roots, pid: int, task: str, target: str, seen: set[tuple[str, str]], *, itself: str = ""
+) -> bool:
+    """Whether the file `target` names, as the kernel spelled it for the task `task`, lies where the
+    jobs work, however it is spelled. A directory counts by itself, a file where its directory is
+    (a deleted file, or an O_TMPFILE that linkat() can still put in place, too). Compared by path,
+    then by device and inode: through `itself` (a link to the file: an fd; a directory has ".."
+    to walk up) where there is one, and through the task's root for its directory (/proc/.../root
+    leads into its mount namespace: a container's bind mount of the workdir at a path of its own,
+    or a bind-mount alias here)."""
     gone = target.endswith(DELETED)
     path = target[: -len(DELETED)] if gone else target
+    if where.by_path(path):
+        return True
+    if itself and not gone and where.holds_dir(itself, path, pid):
+        return True
     parent = os.path.dirname(path)
-    if where.by_path(parent if gone else path):
-        return True
-    if not gone and where.holds_dir(f"{task}/fd/{fd}", path, pid):  # a file: no ".." to walk
-        return True
     if ("parent", parent) in seen:
         return False
     seen.add(("parent", parent))

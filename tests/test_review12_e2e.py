@@ -3,9 +3,18 @@
 
 from __future__ import annotations
 
-from tests.conftest import Bw
-from tests.sidecar.test_openfiles import mapped
-from tests.test_review4_e2e import dry
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from controller import teardown
+from controller.state import State
+from tests.conftest import Bw, pid_alive, wait_until
+from tests.sidecar.test_openfiles import mapped, registered
+from tests.test_review4_e2e import NAME, dry, pulled_box, up_args
 from tests.test_review7_e2e import running_reasons, settled
 
 
@@ -22,4 +31,111 @@ def test_a_process_writing_a_checkpoint_through_a_mapping_holds_the_gate(bw: Bw)
         assert writes == [{"code": "UNSEALED_WRITES", "detail": "open for writing", "path": "a.bin"}]
         (reason,) = running_reasons(bw)
         assert f"pid {pid} " in reason["detail"] and f"maps {target} into memory" in reason["detail"]
+    assert dry(bw)["allowed"] is True
+
+
+# -- F5: steps of an interrupted teardown outlived the sidecar they were taken on --------------------
+
+
+def interrupted_after(bw: Bw, *steps: str) -> None:
+    """Record `steps` as a `down` of box NAME does before it takes each one, as if that `down` was
+    killed right after (its process gone: nothing else happened)."""
+    state = State(bw.home)
+    try:
+        box = state.get(NAME)
+        for step in steps:
+            state.step(box.with_(status="tearing-down"), step, "recorded by the test")
+    finally:
+        state.close()
+
+
+def sidecar_stops_answering(bw: Bw) -> None:
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)  # a crash, a reboot: the sidecar ends without a word
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to end")
+
+
+def test_a_teardown_killed_before_the_sidecar_stopped_never_skips_the_gate(bw: Bw) -> None:
+    """Review 12, F5 (the case without `up`): a `down` killed after recording its Shutdown step but
+    before the sidecar got it left the sidecar watching; it sealed a new checkpoint and then
+    crashed. The next `down` took the gate-less "continue the teardown" path: gone, exit 0."""
+    p, _ = pulled_box(bw, {"a.bin": b"a"})
+    interrupted_after(bw, teardown.RELEASE, teardown.SHUTDOWN)
+    (p["watch"] / "b.bin").write_bytes(b"sealed after the interrupted teardown")
+    bw.wait_durable(NAME, 2)
+    sidecar_stops_answering(bw)
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 3, r.stderr
+    assert "TEARDOWN_UNFINISHED" in r.stderr and f"boxwarden up {NAME}" in " ".join(r.stderr.split())
+    assert bw.json("status")["boxes"][0]["status"] == "tearing-down"
+
+
+def test_up_again_forgets_the_steps_taken_on_the_sidecar_before(bw: Bw) -> None:
+    """Review 12, F5: a teardown killed after its sidecar was seen gone; `up` again started a new
+    sidecar, which sealed a new checkpoint and then stopped answering. `down` continued the old
+    teardown without a gate (its steps said the sidecar was stopped) and marked the box down."""
+    p, _ = pulled_box(bw, {"a.bin": b"a"})
+    (pid,) = bw.sidecar_pids()
+    interrupted_after(bw, teardown.RELEASE, teardown.SHUTDOWN)
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    interrupted_after(bw, teardown.SIDECAR_GONE)
+    bw.ok(*up_args(bw))
+    assert "teardown" not in bw.json("status")["boxes"][0]  # nothing unfinished is left to continue
+    (p["watch"] / "b.bin").write_bytes(b"sealed by the new sidecar")
+    bw.wait_durable(NAME, 2)
+    sidecar_stops_answering(bw)
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode != 0, r.stderr
+    assert bw.json("status")["boxes"][0]["status"] == "up"
+    assert (p["watch"] / "b.bin").exists()
+
+
+# -- F4: an ancestor of `down` whose other thread waits for a child of its own -----------------------
+
+WAITS_FOR_ITS_EVAL_STEP = """
+import os, subprocess, sys, threading
+os.chdir(sys.argv[1])
+ready = threading.Event()
+def train():
+    eval_step = subprocess.Popen(["sleep", "600"], cwd="/")  # then it saves a checkpoint
+    ready.set()
+    eval_step.wait()
+threading.Thread(target=train, daemon=True).start()
+ready.wait()
+with open(sys.argv[2], "w") as out:  # not captured: this thread waits in wait4(), not poll()
+    code = subprocess.run(sys.argv[3:], stdout=out).returncode
+for pid in os.listdir("/proc"):
+    if pid.isdigit() and open(f"/proc/{pid}/stat").read().split(") ")[1].split()[1] == str(os.getpid()):
+        os.kill(int(pid), 9)  # the eval step: ours to end
+sys.exit(code if code in (0, 3) else 1)
+"""
+
+
+def test_an_ancestor_whose_other_thread_waits_for_its_own_child_is_a_stray(tmp_path: Path, bw: Bw) -> None:
+    """Review 12, F4: a trainer in the workdir ran `down` from its main thread while its training
+    thread waited for an eval step it had started; every thread sat in do_wait, so it passed for
+    a shell that only waits for `down`, and wrote a checkpoint after down exited 0."""
+    p = settled(bw)
+    out = tmp_path / "down.json"
+    cli = [sys.executable, "-m", "controller", "down", NAME, "--dry-run", "--json"]
+    r = subprocess.run(
+        [sys.executable, "-c", WAITS_FOR_ITS_EVAL_STEP, str(p["watch"]), str(out), *cli],
+        env=bw.env,
+        timeout=120,
+    )
+    doc = json.loads(out.read_text())
+    assert r.returncode == 3 and doc["allowed"] is False, doc
+    (reason,) = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+    assert f"works in {p['watch']}" in reason["detail"]
+
+
+def test_a_process_holding_the_watched_dir_in_an_io_uring_holds_the_gate(bw: Bw) -> None:
+    """Review 12, F3, end to end: `down` was allowed while the watched dir sat in the fixed-file
+    table of a process working in /."""
+    p = settled(bw)
+    with registered(p["watch"], "d") as pid:
+        (reason,) = running_reasons(bw)
+        assert f"pid {pid} " in reason["detail"]
+        assert f"holds {p['watch']} open through an io_uring" in reason["detail"]
     assert dry(bw)["allowed"] is True

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.openfiles import open_for_write
+from sidecar.openfiles import _registered, open_for_write
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,21 +24,27 @@ sys.stdin.read()
 
 
 @contextmanager
-def held_open(path: Path, mode: str) -> Iterator[int]:
-    """Another process holds `path` open in `mode` until the block ends; yields its pid."""
+def holder(code: str, *args: str) -> Iterator[tuple[int, str]]:
+    """Runs `code` in another process until the block ends (EOF on its stdin ends it); yields its
+    pid and the first line it printed (once it printed it)."""
     with subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(path), mode],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+        [sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     ) as proc:
         assert proc.stdin is not None and proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
+        said = proc.stdout.readline()
         try:
-            yield proc.pid
+            yield proc.pid, said
         finally:
-            proc.stdin.close()  # EOF: the holder exits
+            proc.stdin.close()
             proc.wait()
+
+
+@contextmanager
+def held_open(path: Path, mode: str) -> Iterator[int]:
+    """Another process holds `path` open in `mode` until the block ends; yields its pid."""
+    with holder(HOLDER, str(path), mode) as (pid, said):
+        assert said == "ready\n"
+        yield pid
 
 
 @pytest.fixture
@@ -92,7 +98,7 @@ def test_answers_in_the_callers_spelling_of_a_symlinked_root(tmp_path: Path, roo
 
 SCAN_AS_NOBODY = """
 import os, sys
-from sidecar.openfiles import open_for_write
+from sidecar.openfiles import _registered, open_for_write
 os.setgid(65534)
 os.setuid(65534)
 print(open_for_write([sys.argv[1]]).unreadable_pids)
@@ -149,19 +155,9 @@ sys.stdin.read()
 def mapped(path: Path, access: str, kind: str) -> Iterator[int]:
     """Another process maps `path` (access "w" or "r", kind "shared" or "private") and closes the
     fd, until the block ends; yields its pid."""
-    with subprocess.Popen(
-        [sys.executable, "-c", MAPS_AND_CLOSES, str(path), access, kind],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    ) as proc:
-        assert proc.stdin is not None and proc.stdout is not None
-        assert proc.stdout.readline() == "ready ['0', '1', '2', '3']\n"  # no fd on the file left
-        try:
-            yield proc.pid
-        finally:
-            proc.stdin.close()
-            proc.wait()
+    with holder(MAPS_AND_CLOSES, str(path), access, kind) as (pid, said):
+        assert said == "ready ['0', '1', '2', '3']\n"  # no fd on the file left
+        yield pid
 
 
 @pytest.mark.parametrize(
@@ -177,3 +173,52 @@ def test_a_shared_writable_mapping_is_a_writer_without_an_fd(
     with mapped(target, access, kind):
         assert (target in open_for_write([root]).paths) is reported
     assert target not in open_for_write([root]).paths
+
+
+REGISTERS_AND_CLOSES = """
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+params = (ctypes.c_uint8 * 120)()
+ring = libc.syscall(425, 4, params)  # io_uring_setup
+if ring < 0:
+    print("no io_uring", ctypes.get_errno(), flush=True)
+    sys.exit(0)
+flags = {"w": os.O_RDWR, "r": os.O_RDONLY, "d": os.O_RDONLY | os.O_DIRECTORY}[sys.argv[2]]
+fd = os.open(sys.argv[1], flags)
+fds = (ctypes.c_int * 1)(fd)
+assert libc.syscall(427, ring, 2, fds, 1) == 0, ctypes.get_errno()  # IORING_REGISTER_FILES
+os.close(fd)  # the ring alone holds the file now
+os.chdir("/")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextmanager
+def registered(path: Path, access: str) -> Iterator[int]:
+    """Another process registers `path` with an io_uring (access "w", "r", or "d" for a directory)
+    and closes its fd, until the block ends; yields its pid."""
+    with holder(REGISTERS_AND_CLOSES, str(path), access) as (pid, said):
+        if said.startswith("no io_uring"):
+            pytest.skip(f"this kernel gives no io_uring ({said.strip()}): nothing can hide a file in one")
+        assert said == "ready\n", said
+        yield pid
+
+
+@pytest.mark.parametrize(("access", "reported"), [("w", True), ("r", False)])
+def test_a_file_registered_with_an_io_uring_is_a_writer_without_an_fd(
+    root: Path, access: str, reported: bool
+) -> None:
+    """Review 12, F3: a file registered with an io_uring (IORING_REGISTER_FILES) and then closed is
+    written through the ring with no fd open; the /proc scan saw nothing."""
+    target = root / "weights.bin"
+    target.write_bytes(b"\0" * 4096)
+    with registered(target, access):
+        assert (target in open_for_write([root]).paths) is reported
+    assert target not in open_for_write([root]).paths
+
+
+def test_registered_files_are_read_from_the_rings_fdinfo() -> None:
+    info = b"pos:\t0\nUserFiles:\t3\n    0: /w/a\\040b\n    2: /w/c\\134d (deleted)\nUserBufs:\t0\n"
+    assert _registered(info) == ["/w/a b", "/w/c\\d (deleted)"]
+    assert _registered(b"pos:\t0\nflags:\t02000002\n") is None  # the ring's lock was busy

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 from sidecar import proctree, strays
-from tests.sidecar.test_openfiles import mapped
+from tests.sidecar.test_openfiles import mapped, registered
 
 
 def found(root: Path) -> dict[int, str]:
@@ -51,4 +51,16 @@ def test_a_process_mapping_only_files_elsewhere_is_no_stray(tmp_path: Path) -> N
     outside.write_bytes(b"\0" * 4096)
     with mapped(outside, "w", "shared") as pid:
         assert pid not in found(root)
+    assert found(root) == {}
+
+
+def test_a_process_holding_a_watched_dir_in_an_io_uring_is_a_stray(tmp_path: Path) -> None:
+    """Review 12, F3: a process that registered the watched dir with an io_uring and closed its fd
+    held nothing the scan read; after `down` it took an fd back (IORING_OP_FIXED_FD_INSTALL) and
+    wrote a checkpoint there."""
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    for held in (root, root / "sub"):
+        with registered(held, "d") as pid:
+            assert found(root).get(pid) == f"holds {held} open through an io_uring"
     assert found(root) == {}
