@@ -266,9 +266,13 @@ async def retry_meter(
     record.update(continues=u.to_json(), resend_stop=resend_stop, gate="not run: the sidecar does not answer")
 
     async def steps() -> None:
-        if ms.mode == "none" and SIDECAR_GONE not in u.steps and u.status != "meter-unproven":
-            # Nothing but the sidecar's end says this box is done, and its end after the release was
-            # never seen: it may have lived on (a Ctrl-C before Shutdown) and sealed more since.
+        seen_gone = SIDECAR_GONE in u.steps or METER_STOP in u.steps or u.status == "meter-unproven"
+        if ms.mode != "argv" and not seen_gone:
+            # No provider can say whether the box is gone (no meter, or a console only the user
+            # sees), and the sidecar's end after the release was never seen: it may have lived on
+            # (a Ctrl-C before Shutdown) and sealed more since. Neither "gone" nor the console
+            # steps without a gate; an `argv` stop polls the provider first and sends nothing
+            # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
         meter = await _meter(state, box, profile, result, manual_done, retry=True, send=resend_stop)
         if ms.mode == "argv" and not meter.gone and not meter.sent:

@@ -13,6 +13,7 @@ from pathlib import Path
 from controller import teardown
 from controller.state import State
 from tests.conftest import Bw, pid_alive, wait_until
+from tests.controller.test_meter_stop import fake_profile
 from tests.sidecar.test_openfiles import mapped, registered
 from tests.test_review4_e2e import NAME, dry, pulled_box, up_args
 from tests.test_review7_e2e import running_reasons, settled
@@ -139,3 +140,29 @@ def test_a_process_holding_the_watched_dir_in_an_io_uring_holds_the_gate(bw: Bw)
         assert f"pid {pid} " in reason["detail"]
         assert f"holds {p['watch']} open through an io_uring" in reason["detail"]
     assert dry(bw)["allowed"] is True
+
+
+def test_console_steps_are_not_offered_without_a_gate_before_the_sidecar_was_seen_gone(
+    bw: Bw, tmp_path: Path
+) -> None:
+    """Review 12, F5 on a profile whose meter stop is console steps: the same interrupted
+    teardown showed the steps, and `--meter-stopped` on the next `down` marked the box down."""
+    profile = fake_profile(tmp_path)
+    text = profile.read_text()
+    start, end = text.index("[meter_stop]"), text.index("[detach]")
+    manual = 'verb = "release"\nirreversible = true\nmode = "manual"\nmanual = "Console: Release"\n\n'
+    profile.write_text(text[:start] + "[meter_stop]\n" + manual + text[end:])
+    p = bw.up(NAME, "--profile-file", str(profile))
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
+    bw.ok("verify", str(bw.cwd / "pulled"))
+    interrupted_after(bw, teardown.RELEASE, teardown.SHUTDOWN)
+    (p["watch"] / "b.bin").write_bytes(b"sealed after the interrupted teardown")
+    bw.wait_durable(NAME, 2)
+    sidecar_stops_answering(bw)
+    for _ in range(2):
+        r = bw("down", NAME, "--confirm", NAME, "--meter-stopped")
+        assert r.returncode == 3, r.stderr
+        assert "Console: Release" not in r.stderr
+    assert bw.json("status")["boxes"][0]["status"] == "tearing-down"
