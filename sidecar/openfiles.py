@@ -2,9 +2,10 @@
 
 This is the gate's UNSEALED_WRITES evidence: a file still open for write may be half written, so
 `down` must not pass while one exists. The answer comes from /proc (fd links plus the access mode
-in fdinfo, and the shared writable mappings in maps, which write with their fd closed), not from
-lsof/fuser, which may be missing on the box. A process whose fds we may not read is counted, so
-the caller can fail closed instead of trusting a partial scan.
+in fdinfo; the shared writable mappings in maps and the files registered with an io_uring, which
+write with their fd closed) and /sys (the files behind writable loop devices, which the kernel
+writes), not from lsof/fuser, which may be missing on the box. A process whose fds we may not
+read is counted, so the caller can fail closed instead of trusting a partial scan.
 """
 
 from __future__ import annotations
@@ -61,10 +62,32 @@ def open_for_write(roots: Sequence[Path], *, exclude_pids: Collection[int] = ())
         pids = retry
         if not pids or attempt:
             break
+    _loop_backed(mapped, paths)
     unreadable = len(pids)
     if unreadable:
         logger.debug("open-for-write scan could not read the fds of %s processes", unreadable)
     return OpenWrites(paths=frozenset(paths), unreadable_pids=unreadable)
+
+
+def _loop_backed(mapped: list[tuple[str, Path]], out: set[Path]) -> None:
+    """Files under the roots that back a writable loop device: the kernel holds them open for
+    writing with no process's fd (`losetup` an image in the watched dir, mount it elsewhere, and
+    every write there changes the image)."""
+    try:
+        devices = [d for d in os.listdir("/sys/block") if d.startswith("loop")]
+    except OSError:
+        return
+    for dev in devices:
+        try:
+            with open(f"/sys/block/{dev}/loop/backing_file", "rb") as f:
+                target = os.fsdecode(f.read().rstrip(b"\n"))
+            with open(f"/sys/block/{dev}/ro", "rb") as f:
+                read_only = f.read().strip() == b"1"
+        except OSError:
+            continue  # not attached
+        shown = None if read_only or target.endswith(DELETED) else _under(target, mapped)
+        if shown is not None:
+            out.add(shown)
 
 
 def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:

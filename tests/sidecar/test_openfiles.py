@@ -222,3 +222,17 @@ def test_registered_files_are_read_from_the_rings_fdinfo() -> None:
     info = b"pos:\t0\nUserFiles:\t3\n    0: /w/a\\040b\n    2: /w/c\\134d (deleted)\nUserBufs:\t0\n"
     assert _registered(info) == ["/w/a b", "/w/c\\d (deleted)"]
     assert _registered(b"pos:\t0\nflags:\t02000002\n") is None  # the ring's lock was busy
+
+
+def test_a_file_behind_a_writable_loop_device_is_being_written(root: Path) -> None:
+    """An image in the watched dir attached with `losetup` (and mounted elsewhere) is written by the
+    kernel, with no process's fd on it; the /proc scan saw nothing."""
+    image = root / "disk.img"
+    with image.open("wb") as f:
+        f.truncate(1 << 20)
+    dev = subprocess.run(["losetup", "-f", "--show", str(image)], capture_output=True, text=True, check=True)
+    try:
+        assert image in open_for_write([root]).paths
+    finally:
+        subprocess.run(["losetup", "-d", dev.stdout.strip()], check=True)
+    assert image not in open_for_write([root]).paths
