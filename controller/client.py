@@ -37,12 +37,12 @@ def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
 
 
 class SidecarClient:
-    def __init__(self, target: str, *, timeout_s: float = 10.0, caller_pids: tuple[int, ...] = ()) -> None:
-        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock". caller_pids: this process and its
-        ancestors when the sidecar runs on this machine (see ListJobsRequest.caller_pids)."""
+    def __init__(self, target: str, *, timeout_s: float = 10.0, caller: pb.Caller | None = None) -> None:
+        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock". caller: this process and its
+        ancestors when the sidecar runs on this machine (see pb.Caller and `lineage`)."""
         self.target = target
         self.timeout_s = timeout_s
-        self.caller_pids = caller_pids
+        self.caller = caller
         self._channel: grpc.aio.Channel | None = None
         self._stub: sidecar_pb2_grpc.SidecarAsyncStub | None = None
 
@@ -151,9 +151,7 @@ class SidecarClient:
     async def list_jobs(self) -> pb.ListJobsResponse:
         return await self._call(
             "ListJobs",
-            lambda: self.stub.ListJobs(
-                pb.ListJobsRequest(caller_pids=self.caller_pids), timeout=self.timeout_s
-            ),
+            lambda: self.stub.ListJobs(pb.ListJobsRequest(caller=self.caller), timeout=self.timeout_s),
         )
 
     async def start_job(self, req: pb.StartJobRequest) -> pb.Job:
@@ -167,7 +165,7 @@ class SidecarClient:
         return resp.job
 
     async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
-        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest, caller_pids=self.caller_pids)
+        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest, caller=self.caller)
         # It re-reads every durable copy before deleting anything: allow for a large tree.
         return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=3600))
 
@@ -217,17 +215,26 @@ class SidecarClient:
                 cancel()
 
 
-def lineage(pid: int | None = None) -> tuple[int, ...]:
-    """This process (or `pid`) and its ancestors, from /proc: what a local box's sidecar is told so
-    that the controller's own shell standing in the workdir is not taken for a job's stray."""
-    out: list[int] = []
+def lineage(pid: int | None = None) -> pb.Caller:
+    """This process (or `pid`) and its ancestors, from /proc, with what places their numbers (start
+    times, PID namespace, boot): what a local box's sidecar is told so that the controller's own
+    shell standing in the workdir is not taken for a job's stray."""
+    out = pb.Caller()
     cur = os.getpid() if pid is None else pid
-    while cur > 0 and cur not in out:
-        out.append(cur)
+    while cur > 0 and cur not in out.pids:
         try:
             with open(f"/proc/{cur}/stat", "rb") as f:
                 stat = f.read()
         except OSError:
             break
-        cur = int(stat[stat.rfind(b")") + 2 :].split()[1])
-    return tuple(out)
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        out.pids.append(cur)
+        out.start_ticks.append(int(fields[19]))
+        cur = int(fields[1])
+    try:
+        out.pid_ns = os.stat("/proc/self/ns/pid").st_ino
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            out.boot_id = f.read().strip()
+    except OSError:
+        pass  # the sidecar then exempts nobody
+    return out

@@ -22,7 +22,7 @@ def target(box: Box) -> str:
 
 @asynccontextmanager
 async def connect(box: Box) -> AsyncIterator[SidecarClient]:
-    async with SidecarClient(target(box), caller_pids=lineage()) as c:
+    async with SidecarClient(target(box), caller=lineage()) as c:
         yield c
 
 

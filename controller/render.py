@@ -272,7 +272,7 @@ def teardown(res: TeardownResult) -> None:
     info(
         f"[bold]{esc(res.box)}[/]: deleted {len(res.deleted)} verified box-side copies, "
         f"kept {len(res.kept)}; "
-        f"sidecar {'[green]gone[/]' if res.sidecar_gone else '[red]still running[/]'}; "
+        f"sidecar {'[green]gone[/]' if res.sidecar_gone else '[red]not seen gone[/]'}; "
         f"meter stop: {meter}; {'[bold green]gone[/]' if res.gone else '[bold red]NOT proven gone[/]'}; "
         f"audit record #{res.audit_id}"
     )

@@ -256,7 +256,10 @@ async def retry_meter(
     anyway), otherwise this refuses (exit 3) and says how to let the gate check the box again."""
     u = unfinished(state, box) or Unfinished(box.name, box.status, {})
     ms = profile.meter_stop
-    result = TeardownResult(box=box.name, sidecar_gone=True)
+    seen_gone = SIDECAR_GONE in u.steps or METER_STOP in u.steps or u.status == "meter-unproven"
+    # The sidecar does not answer, which does not make it gone: only its end seen after the
+    # release, or the provider's word that the whole box is gone, says so.
+    result = TeardownResult(box=box.name, sidecar_gone=seen_gone)
     actions = [f"meter stop (retry, poll first): {ms.verb}"]
     if resend_stop:
         actions.append(
@@ -266,7 +269,6 @@ async def retry_meter(
     record.update(continues=u.to_json(), resend_stop=resend_stop, gate="not run: the sidecar does not answer")
 
     async def steps() -> None:
-        seen_gone = SIDECAR_GONE in u.steps or METER_STOP in u.steps or u.status == "meter-unproven"
         if ms.mode != "argv" and not seen_gone:
             # No provider can say whether the box is gone (no meter, or a console only the user
             # sees), and the sidecar's end after the release was never seen: it may have lived on
@@ -275,6 +277,7 @@ async def retry_meter(
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
         meter = await _meter(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+        result.sidecar_gone = seen_gone or meter.gone
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
 

@@ -16,7 +16,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -36,7 +36,7 @@ from sidecar.release import Releaser
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService
 from sidecar.storage import open_store
-from sidecar.strays import stray_line
+from sidecar.strays import Caller, stray_line
 from sidecar.watcher import Watcher
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ async def run(s: Settings) -> None:
         notify=journal.ring,
     )
 
-    async def running_jobs(caller: Sequence[int]) -> list[str]:
+    async def running_jobs(caller: Caller | None) -> list[str]:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
         return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]

@@ -583,7 +583,7 @@ class JobSupervisor:
         except Exception:
             logger.exception("could not record the %s of job %s", what, job.id)
 
-    async def strays(self, roots: Sequence[str], caller: Sequence[int] = ()) -> list[strays.Stray]:
+    async def strays(self, roots: Sequence[str], caller: strays.Caller | None = None) -> list[strays.Stray]:
         """Processes outside every job's tree that work where the jobs work (see sidecar.strays).
 
         The look at each process's directories and open files runs in a thread of its own, with a

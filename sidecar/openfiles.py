@@ -85,41 +85,73 @@ def _loop_backed(mapped: list[tuple[str, Path]], out: set[Path]) -> None:
                 read_only = f.read().strip() == b"1"
         except OSError:
             continue  # not attached
-        shown = None if read_only or target.endswith(DELETED) else _under(target, mapped)
+        shown = None if read_only else _under(target, mapped)
         if shown is not None:
             out.add(shown)
 
 
 def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
-    for fd, target in fd_paths(pid):
-        shown = _under(target, mapped)
-        if shown is not None and _opened_for_write(pid, fd):
-            out.add(shown)
+    for task in file_tables(pid):
+        table = read_fds(pid, task=task)
+        for fd, target in table.paths:
+            shown = _under(target, mapped)
+            if shown is not None and _opened_for_write(pid, fd, task):
+                out.add(shown)
+        # So does a file registered with an io_uring; its access mode does not show: the
+        # kernel's lease says whether anyone writes it.
+        registered, unsure = ring_files(pid, table.rings, task=task)
+        for target in registered:
+            shown = _under(target, mapped)
+            if shown is not None and write_lease_blocked(shown) is not False:
+                out.add(shown)
+        if unsure:
+            raise PermissionError(f"the files of an io_uring of process {pid} could not be read")
     # A shared writable mapping writes into the file with no fd left open (mmap, then close).
     for target in mapped_files(pid, shared_writable=True):
-        shown = None if target.endswith(DELETED) else _under(target, mapped)
+        shown = _under(target, mapped)
         if shown is not None:
             out.add(shown)
-    # So does a file registered with an io_uring; its access mode does not show: the kernel's
-    # lease says whether anyone writes it.
-    registered, unsure = ring_files(pid)
-    for target in registered:
-        shown = None if target.endswith(DELETED) else _under(target, mapped)
-        if shown is not None and write_lease_blocked(shown) is not False:
-            out.add(shown)
-    if unsure:
-        raise PermissionError(f"the files of an io_uring of process {pid} could not be read")
 
 
-def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Iterator[tuple[str, str]]:
-    """(fd, path) for each of the process's fds (or those of its thread `task`, which has a table
-    of its own after unshare(CLONE_FILES)) that names a file or directory still linked (sockets
-    and pipes left out; deleted files too, unless `deleted`: their path then ends in DELETED).
-    PermissionError if its fds may not be read, FileNotFoundError or ProcessLookupError if it is
-    gone."""
+def file_tables(pid: str) -> list[str]:
+    """One thread of `pid` per file table its threads hold, the main thread first: a thread that
+    called unshare(CLONE_FILES) has a table of its own, and the main thread's is gone once it has
+    exited while others run on. Compared by kcmp(2) (in doubt, a thread counts as its own table)."""
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=lambda t: t != pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return []
+    tables: list[str] = []
+    for tid in tids:
+        if not any(proctree.shares(int(t), int(tid), proctree.KCMP_FILES) for t in tables):
+            tables.append(tid)
+    return tables
+
+
+@dataclass(frozen=True, slots=True)
+class FdTable:
+    """One read of a file table: the fds that name files or directories, and those of the kernel
+    objects that hold files of their own (inotify and fanotify marks, io_uring registrations)."""
+
+    paths: list[tuple[str, str]]  # (fd, path); path "" when it cannot be read (over PATH_MAX)
+    notify: list[str]  # inotify and fanotify fds
+    rings: list[str]  # io_uring fds
+
+
+_NOTIFY = ("anon_inode:inotify", "anon_inode:[fanotify]")
+_RING = "anon_inode:[io_uring]"
+
+
+def read_fds(pid: str, task: str | None = None, *, deleted: bool = False) -> FdTable:
+    """The process's file table (or that of its thread `task`, which has one of its own after
+    unshare(CLONE_FILES)), one readlink per fd. Sockets and pipes are left out, and so are deleted
+    files unless `deleted`: their path then ends in DELETED, as a live name may too (such a name is
+    told apart by its inode). PermissionError if its fds may not be read, FileNotFoundError or
+    ProcessLookupError if it is gone."""
     # readlink relative to an open fd directory skips a /proc path walk per fd: the scan is a
     # syscall per fd, and a box runs thousands of them.
     where = f"/proc/{pid}/fd" if task is None else f"/proc/{pid}/task/{task}/fd"
+    table = FdTable([], [], [])
     dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for fd in os.listdir(dir_fd):
@@ -127,23 +159,55 @@ def fd_paths(pid: str, task: str | None = None, *, deleted: bool = False) -> Ite
                 target = os.readlink(fd, dir_fd=dir_fd)
             except (FileNotFoundError, ProcessLookupError):
                 continue  # closed mid-scan
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:
+                    raise  # EACCES: not ours to look at (the caller counts it)
+                table.paths.append((fd, ""))  # over PATH_MAX: look at it through its link
+                continue
             # Sockets, pipes and anon inodes read "socket:[123]" etc.; only real paths start with "/".
-            if target.startswith("/") and (deleted or not target.endswith(DELETED)):
-                yield fd, target
+            if not target.startswith("/"):
+                if target in _NOTIFY:
+                    table.notify.append(fd)
+                elif target == _RING:
+                    table.rings.append(fd)
+                continue
+            if deleted or not target.endswith(DELETED) or not _unlinked(fd, dir_fd, target):
+                table.paths.append((fd, target))
     finally:
         os.close(dir_fd)
+    return table
+
+
+def _unlinked(fd: str, dir_fd: int, target: str) -> bool:
+    """Whether the file behind `fd`, whose link reads `target` (ending in DELETED), is really
+    unlinked, rather than linked under a name that itself ends so."""
+    try:
+        st = os.stat(fd, dir_fd=dir_fd)
+        named = os.lstat(target)
+    except OSError:
+        return True
+    return (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino)
 
 
 def mapped_files(pid: str, task: str | None = None, *, shared_writable: bool = False) -> Iterator[str]:
     """The path of each file the process maps into memory (its executable and libraries too), from
     /proc/PID/maps; with `shared_writable` only the MAP_SHARED mappings that may write into the file
     now. A mapping outlives the fd it was made from, and a deleted file's path ends in DELETED.
-    The kernel writes a newline in a name as \\012: such a path comes both ways. [] for a process
-    with no memory (a zombie's main thread: ask a live `task`). PermissionError if its maps may not
-    be read, FileNotFoundError or ProcessLookupError if it is gone."""
+    The kernel writes a newline in a name as \\012: such a path comes both ways. Without `task`, the
+    first thread that has memory answers (a main thread that exited has none). PermissionError if
+    its maps may not be read, FileNotFoundError or ProcessLookupError if it is gone."""
     where = f"/proc/{pid}/maps" if task is None else f"/proc/{pid}/task/{task}/maps"
     with open(where, "rb") as f:
         data = f.read()
+    if not data and task is None:  # the main thread has exited: a live thread holds the memory
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/maps", "rb") as f:
+                    data = f.read()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if data:
+                break
     if shared_writable and b"w-s " not in data and b"wxs " not in data:
         return
     seen: set[bytes] = set()
@@ -161,16 +225,12 @@ def mapped_files(pid: str, task: str | None = None, *, shared_writable: bool = F
             yield path.replace("\\012", "\n")
 
 
-def watch_marks(pid: str, task: str | None = None) -> Iterator[tuple[int, int]]:
-    """(device, inode) of every inode the process watches through an inotify or fanotify fd (its
-    fdinfo lists each mark as `ino:HEX sdev:HEX`, sdev in the kernel's own encoding). Such a mark
-    pins a directory as surely as an open fd, and a handle in it reopens the directory."""
+def watch_marks(pid: str, fds: list[str], task: str | None = None) -> Iterator[tuple[int, int]]:
+    """(device, inode) of every inode the process watches through its inotify or fanotify fds
+    `fds` (FdTable.notify; the fdinfo lists each mark as `ino:HEX sdev:HEX`, sdev in the kernel's
+    own encoding). Such a mark pins a directory as surely as an open fd, and a handle in it
+    reopens the directory."""
     base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
-    dir_fd = os.open(f"{base}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fds = [fd for fd in os.listdir(dir_fd) if _is_notify(fd, dir_fd)]
-    finally:
-        os.close(dir_fd)
     for fd in fds:
         try:
             with open(f"{base}/fdinfo/{fd}", "rb") as f:
@@ -188,33 +248,16 @@ def watch_marks(pid: str, task: str | None = None) -> Iterator[tuple[int, int]]:
             yield os.makedev(sdev >> 20, sdev & 0xFFFFF), ino
 
 
-def _is_notify(fd: str, dir_fd: int) -> bool:
-    return _link(fd, dir_fd) in ("anon_inode:inotify", "anon_inode:[fanotify]")
-
-
-def _link(fd: str, dir_fd: int) -> str:
-    try:
-        return os.readlink(fd, dir_fd=dir_fd)
-    except OSError:
-        return ""
-
-
-_RING = "anon_inode:[io_uring]"
 _RING_TRIES = 3
 
 
-def ring_files(pid: str, task: str | None = None) -> tuple[list[str], bool]:
-    """The paths of the files registered with each io_uring the process holds: a registered file
-    stays open (and writable, if it was opened so) in the ring after its fd is closed. And whether
-    some ring's table could not be read (its fdinfo lists the files only when the ring's lock is
-    free: asked up to three times; a kernel too old to list them counts so too). PermissionError,
-    FileNotFoundError or ProcessLookupError as fd_paths."""
+def ring_files(pid: str, rings: list[str], task: str | None = None) -> tuple[list[str], bool]:
+    """The paths of the files registered with the process's io_urings `rings` (FdTable.rings): a
+    registered file stays open (and writable, if it was opened so) in the ring after its fd is
+    closed. And whether some ring's table could not be read (its fdinfo lists the files only when
+    the ring's lock is free: asked up to three times; a kernel too old to list them counts so
+    too)."""
     base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
-    dir_fd = os.open(f"{base}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        rings = [fd for fd in os.listdir(dir_fd) if _link(fd, dir_fd) == _RING]
-    finally:
-        os.close(dir_fd)
     paths: list[str] = []
     unsure = False
     for fd in rings:
@@ -264,9 +307,10 @@ def _under(target: str, mapped: list[tuple[str, Path]]) -> Path | None:
     return None
 
 
-def _opened_for_write(pid: str, fd: str) -> bool:
+def _opened_for_write(pid: str, fd: str, task: str | None = None) -> bool:
+    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
     try:
-        with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
+        with open(f"{base}/fdinfo/{fd}", "rb") as f:
             info = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return False

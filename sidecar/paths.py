@@ -239,8 +239,9 @@ class ArtifactNamer:
                     )
                 )
             for point in mounts.inside(root, points):
-                out.append(self._problem(Path(point), _MOUNT_INSIDE))
                 inner.add(point)
+                if Path(point) not in self._roots:  # a watched dir of its own is walked as one
+                    out.append(self._problem(Path(point), _MOUNT_INSIDE))
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
@@ -275,7 +276,7 @@ class ArtifactNamer:
                         out.append(self._problem(Path(e.path), f"cannot look at it ({_why(exc)})"))
                         continue
                     if stat.S_ISDIR(st.st_mode):
-                        if st.st_dev != dev:
+                        if st.st_dev != dev and Path(e.path) not in self._roots:
                             # Another filesystem mounted here hides whatever this one holds below it.
                             out.append(self._problem(Path(e.path), _MOUNT_INSIDE))
                         stack.append((e.path, f"{prefix}{e.name}/", st.st_dev))

@@ -21,9 +21,12 @@ per process lifetime (cached by PID and start time) and never for kernel threads
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import logging
 import os
+import platform
 import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -297,3 +300,21 @@ def send_signal(p: Proc, sig: signal.Signals) -> None:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+KCMP_FILES, KCMP_FS = 2, 3
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def shares(pid: int, tid: int, kind: int) -> bool:
+    """Whether thread `tid` shares thread `pid`'s file table (KCMP_FILES) or cwd and root
+    (KCMP_FS), by kcmp(2). False when the kernel will not say (no kcmp, a seccomp filter, another
+    architecture, a thread that has exited and holds neither): then each is looked at on its own."""
+    if _SYS_KCMP is None:
+        return False
+    return int(_libc().syscall(_SYS_KCMP, pid, tid, kind, 0, 0)) == 0

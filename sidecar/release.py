@@ -22,7 +22,7 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from sidecar.paths import RELEASE_ASIDE_PREFIX, open_regular
 from sidecar.renames import rename_noreplace
 from sidecar.sealer import Sealer, identity
 from sidecar.storage.fsio import hash_by_read
+from sidecar.strays import Caller
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,9 @@ class ReleaseResult:
     refused: list[Refusal] = field(default_factory=list)
 
 
-RunningJobs = Callable[[Sequence[int]], Awaitable[list[str]]]
+RunningJobs = Callable[["Caller | None"], Awaitable[list[str]]]  # (a string: 3.9 has no X | Y)
 """A fresh answer: one line per job whose process tree still lives, and per stray process (see
-sidecar.strays); the argument is the caller's PIDs (ListJobsRequest.caller_pids)."""
+sidecar.strays); the argument is who asks (pb.Caller)."""
 
 
 class Releaser:
@@ -81,7 +82,7 @@ class Releaser:
         """A release succeeded on this sidecar: the box's artifacts are gone for its teardown."""
         return self._released
 
-    async def release(self, digest: str, caller: Sequence[int] = ()) -> ReleaseResult:
+    async def release(self, digest: str, caller: Caller | None = None) -> ReleaseResult:
         if self._lock.locked():
             return ReleaseResult(
                 refused=[Refusal("RELEASE_RUNNING", detail="another release is running on this box")]
@@ -111,7 +112,7 @@ class Releaser:
             return result
 
     async def _preconditions(
-        self, digest: str, claims: list[ClaimRow], caller: Sequence[int]
+        self, digest: str, claims: list[ClaimRow], caller: Caller | None
     ) -> list[Refusal]:
         refused: list[Refusal] = []
         if digest != manifest_digest(claims):
@@ -148,7 +149,7 @@ class Releaser:
         ev = await box_evidence(self._s)
         return [Refusal(PENDING_CODES[p.state], p.path, p.detail) for p in ev.pending]
 
-    async def _after(self, digest: str, result: ReleaseResult, caller: Sequence[int]) -> list[Refusal]:
+    async def _after(self, digest: str, result: ReleaseResult, caller: Caller | None) -> list[Refusal]:
         """What is on the box now that should stop the teardown."""
         refused = [Refusal("KEPT", k.split(": ", 1)[0], k.split(": ", 1)[-1]) for k in result.kept]
         refused += [Refusal("JOB_RUNNING", detail=j) for j in await self._running_jobs(caller)]

@@ -41,6 +41,7 @@ from sidecar.paths import ArtifactNamer, open_regular
 from sidecar.release import Releaser
 from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer
+from sidecar.strays import Caller
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +332,10 @@ class SidecarService:
     @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
         jobs = self._p.jobs.jobs()
-        found = await self._p.jobs.strays([str(d) for d in self._p.settings.watch_dirs], request.caller_pids)
+        watched = [str(d) for d in self._p.settings.watch_dirs]
+        found = await self._p.jobs.strays(
+            watched, _caller(request.caller) if request.HasField("caller") else None
+        )
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
             strays=[
@@ -371,7 +375,8 @@ class SidecarService:
     async def ReleaseArtifacts(
         self, request: pb.ReleaseArtifactsRequest, context: Ctx
     ) -> pb.ReleaseArtifactsResponse:
-        result = await self._p.releaser.release(request.manifest_digest, list(request.caller_pids))
+        caller = _caller(request.caller) if request.HasField("caller") else None
+        result = await self._p.releaser.release(request.manifest_digest, caller)
         return pb.ReleaseArtifactsResponse(
             deleted=result.deleted,
             kept=result.kept,
@@ -412,3 +417,7 @@ def _released_message(box: str) -> str:
         f"finish it: `boxwarden down {box} --confirm {box}`. To keep working on the box instead, stop "
         f"this sidecar (`kill {os.getpid()}`) and run `boxwarden up {box}` again with the same arguments"
     )
+
+
+def _caller(c: pb.Caller) -> Caller:
+    return Caller(pids=tuple(c.pids), start_ticks=tuple(c.start_ticks), pid_ns=c.pid_ns, boot_id=c.boot_id)

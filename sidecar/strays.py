@@ -25,17 +25,49 @@ beyond what /proc can tie to a job (the README says so).
 
 from __future__ import annotations
 
-import ctypes
-import functools
+import errno
 import os
-import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
-from sidecar.openfiles import DELETED, fd_paths, mapped_files, ring_files, watch_marks
+from sidecar.openfiles import DELETED, mapped_files, read_fds, ring_files, watch_marks
 
-_MAX_DEPTH = 256  # directories above a working directory that are looked at
+_MAX_DEPTH = 4096  # directories above a working directory that are looked at
+TOO_DEEP = "(a path longer than PATH_MAX)"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks (see pb.Caller): PIDs as numbered in the caller's PID namespace, with their start
+    times, that namespace's inode and the caller's boot id."""
+
+    pids: tuple[int, ...] = ()
+    start_ticks: tuple[int, ...] = ()
+    pid_ns: int = 0
+    boot_id: str = ""
+
+
+def believed(caller: Caller | None, table: proctree.ProcTable) -> list[int]:
+    """The caller's PIDs that name the caller's processes here: none unless the caller counts PIDs
+    in this PID namespace on this boot (a controller in a container or another `unshare -p` would
+    otherwise exempt whatever process here has its number), and only while each start time
+    matches (a number reused since)."""
+    if caller is None or not caller.pids or len(caller.start_ticks) != len(caller.pids):
+        return []
+    try:
+        own_ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return []
+    if caller.pid_ns != own_ns or caller.boot_id != mounts.boot_id():
+        return []
+    out = []
+    for i, pid in enumerate(caller.pids):  # as many start times (checked above)
+        p = table.procs.get(pid)
+        if p is None or p.start_ticks != caller.start_ticks[i]:
+            break
+        out.append(pid)
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,19 +98,21 @@ class _Roots:
         found = (mounts.fs_path(r, ours) for r in self.paths) if ours is not None else ()
         self.inner = [f for f in found if f is not None]  # each root's place in its filesystem
         self._ns_mounts: dict[int, mounts.Mounts | None] = {}
+        self._places: dict[tuple[int, int, int, str], bool] = {}  # see holds_place
 
     def by_path(self, path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
 
     def holds_dir(self, link: str, path: str, pid: int) -> bool:
         """The directory behind `link` (a /proc/PID/task/TID cwd or root), which reads as `path`
-        here, is a root or under one, however it is spelled: by that path, or by the device and
-        inode of the directory and each one above it, looked at through the link, which leads into
-        the process's own mount namespace (a container that bind-mounted a watched dir works in it
-        under a path that does not exist here), or by where the path lies in its filesystem, read
-        from the process's mountinfo (a bind mount of a watched dir's subdirectory: ".." from its
-        root leaves the mount, never passing the watched dir). `pid` is the process's."""
-        if self.by_path(path):
+        here ("" when it cannot be read: deeper than PATH_MAX), is a root or under one, however it
+        is spelled: by that path, or by the device and inode of the directory and each one above
+        it, looked at through the link, which leads into the process's own mount namespace (a
+        container that bind-mounted a watched dir works in it under a path that does not exist
+        here), or by where the path lies in its filesystem, read from the process's mountinfo (a
+        bind mount of a watched dir's subdirectory: ".." from its root leaves the mount, never
+        passing the watched dir). `pid` is the process's."""
+        if path and self.by_path(path):
             return True
         try:
             st = os.stat(link)
@@ -87,7 +121,21 @@ class _Roots:
         if self._walk(link, st):
             return True
         # On a watched dir's filesystem at all? (saves a mountinfo lookup per open file)
-        return st.st_dev in self.devs and self._by_mounts(path, pid)
+        return bool(path) and st.st_dev in self.devs and self._by_mounts(path, pid)
+
+    def holds_place(self, task: str, path: str, pid: int) -> bool:
+        """holds_dir for `path` as the task `task` (of process `pid`) names it from its root: the
+        answer is the same for every process with that root in that mount namespace, so it is
+        asked once per scan (a thousand processes map the same hundred library directories)."""
+        try:
+            root = os.stat(f"{task}/root")
+            ns = os.stat(f"/proc/{pid}/ns/mnt").st_ino
+        except OSError:
+            return self.holds_dir(f"{task}/root{path}", path, pid)
+        key = (root.st_dev, root.st_ino, ns, path)
+        if key not in self._places:
+            self._places[key] = self.holds_dir(f"{task}/root{path}", path, pid)
+        return self._places[key]
 
     def _walk(self, link: str, st: os.stat_result) -> bool:
         """Up from `link` (whose stat is `st`) through "..", by device and inode."""
@@ -105,7 +153,7 @@ class _Roots:
                 st = os.stat(here)
             except OSError:
                 return False
-        return False
+        return True  # deeper than any walk goes: it cannot be placed, so it counts (fail closed)
 
     def holds_inode(self, dev: int, ino: int) -> bool:
         """Is (dev, ino) a root, or a directory inside a watched dir (those are walked once per
@@ -164,19 +212,20 @@ def find(
     *,
     roots: Iterable[str],
     exempt: set[int],
-    caller: Iterable[int] = (),
+    caller: Caller | None = None,
     progress: Progress | None = None,
     watched: Iterable[str] = (),
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
-    `caller`: the controller's process then its ancestors (a local box): the first is not a stray
+    `caller`: the controller's process then its ancestors (a local box; as far as `believed`): the
+    first is not a stray
     (its own children, none of which works in a watched dir, are: a process the shell started
     before it exec'd the controller is the controller's child too), nor is an ancestor whose every
     thread waits for a child and whose one live child is the next on the way to the controller (a
     shell running the command that runs `down`): one that runs on meanwhile (a notebook kernel's
     training thread, an event loop) or has another child to wait for (a training thread waiting
     for its eval step) is looked at like any other."""
-    callers = list(caller)
+    callers = believed(caller, table)
     skip = set(exempt)
     if callers:
         skip.add(callers[0])
@@ -214,11 +263,14 @@ def _tasks(pid: int) -> list[str]:
 
 def _cwd(pid: int) -> str | None:
     """The process's working directory: its main thread's, or (when the main thread has exited
-    and others run on) that of the first thread that has one."""
+    and others run on) that of the first thread that has one; TOO_DEEP for one whose path is
+    longer than PATH_MAX (it is looked at all the same)."""
     for tid in _tasks(pid):
         try:
             return os.readlink(f"/proc/{pid}/task/{tid}/cwd")
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                return TOO_DEEP
             continue
     return None
 
@@ -246,31 +298,35 @@ def _works_there(pid: int, where: _Roots) -> str:
     for tid in _tasks(pid):  # the main thread first
         task = f"/proc/{pid}/task/{tid}"
         main = tid == str(pid)
-        own_fs = main or not _shares(pid, int(tid), _KCMP_FS)
+        own_fs = main or not proctree.shares(pid, int(tid), proctree.KCMP_FS)
         for kind, what in (("cwd", "works in"), ("root", "has its root in")) if own_fs else ():
             try:
                 path = os.readlink(f"{task}/{kind}")
-            except OSError:
-                continue
-            if (kind, path) not in seen_dirs:
+            except OSError as e:
+                if e.errno != errno.ENAMETOOLONG:
+                    continue
+                path = ""  # deeper than PATH_MAX: looked at through the link alone
+            if path == "" or (kind, path) not in seen_dirs:
                 seen_dirs.add((kind, path))
                 if where.holds_dir(f"{task}/{kind}", path, pid):
-                    return f"{what} {path}" + ("" if tid == str(pid) else f" (thread {tid})")
-        if not main and _shares(pid, int(tid), _KCMP_FILES):
+                    return f"{what} {path or TOO_DEEP}" + ("" if tid == str(pid) else f" (thread {tid})")
+        if not main and proctree.shares(pid, int(tid), proctree.KCMP_FILES):
             continue  # the main thread's table, looked at already: most threads share it
         try:
-            for fd, target in fd_paths(str(pid), task=tid, deleted=True):
-                if target in seen_files:
+            table = read_fds(str(pid), task=tid, deleted=True)
+            for fd, target in table.paths:
+                if target and target in seen_files:
                     continue
                 seen_files.add(target)
                 if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/fd/{fd}"):
-                    return f"holds {target} open" + ("" if tid == str(pid) else f" (thread {tid})")
-            for dev, ino in watch_marks(str(pid), task=tid):
+                    held = target or TOO_DEEP
+                    return f"holds {held} open" + ("" if tid == str(pid) else f" (thread {tid})")
+            for dev, ino in watch_marks(str(pid), table.notify, task=tid):
                 if where.holds_inode(dev, ino):
                     return "watches a directory there for changes (inotify or fanotify)" + (
                         "" if tid == str(pid) else f" (thread {tid})"
                     )
-            registered, unsure = ring_files(str(pid), task=tid)
+            registered, unsure = ring_files(str(pid), table.rings, task=tid)
             for target in registered:
                 if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/root{target}"):
                     return f"holds {target} open through an io_uring"
@@ -313,33 +369,18 @@ def _named_there(
     or a bind-mount alias here)."""
     gone = target.endswith(DELETED)
     path = target[: -len(DELETED)] if gone else target
-    if where.by_path(path):
+    # A live name may end in DELETED too (a watched dir named "ckpt (deleted)"): both spellings.
+    if where.by_path(path) or (gone and where.by_path(target)):
         return True
-    if itself and not gone and where.holds_dir(itself, path, pid):
+    if itself and where.holds_dir(itself, target, pid):  # by device and inode, whatever its name
         return True
+    if not path:
+        return False  # its path could not be read: nothing more to go by
     parent = os.path.dirname(path)
     if ("parent", parent) in seen:
         return False
     seen.add(("parent", parent))
-    return where.holds_dir(f"{task}/root{parent}", parent, pid)
-
-
-_KCMP_FILES, _KCMP_FS = 2, 3
-_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _shares(pid: int, tid: int, kind: int) -> bool:
-    """Whether thread `tid` shares process `pid`'s file table (or cwd and root), by kcmp(2). False
-    when the kernel will not say (no kcmp, a seccomp filter, another architecture): then the
-    thread is looked at on its own."""
-    if _SYS_KCMP is None:
-        return False
-    return int(_libc().syscall(_SYS_KCMP, pid, tid, kind, 0, 0)) == 0
+    return where.holds_place(task, parent, pid)
 
 
 def _command(pid: int) -> str:

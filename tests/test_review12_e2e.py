@@ -166,3 +166,63 @@ def test_console_steps_are_not_offered_without_a_gate_before_the_sidecar_was_see
         assert r.returncode == 3, r.stderr
         assert "Console: Release" not in r.stderr
     assert bw.json("status")["boxes"][0]["status"] == "tearing-down"
+
+
+# -- Review 13, F01: the caller's PIDs from another PID namespace -----------------------------------
+
+IN_A_PID_NAMESPACE = 'echo $(($1 - 1)) > /proc/sys/kernel/ns_last_pid && shift && "$@"; true'
+
+
+def test_a_controller_in_another_pid_namespace_exempts_nobody_with_its_numbers(bw: Bw) -> None:
+    """Review 13, F01: `down` run in `unshare -p` had the number of a trainer working in the
+    workdir on this host; the sidecar exempted that trainer as "the controller" and allowed."""
+    p = settled(bw)
+    trainer = subprocess.Popen(["sleep", "600"], cwd=p["watch"])
+    try:
+        cli = [sys.executable, "-m", "controller", "down", NAME, "--dry-run", "--json"]
+        r = subprocess.run(
+            [
+                "unshare",
+                "-p",
+                "-f",
+                "--mount-proc",
+                "sh",
+                "-c",
+                IN_A_PID_NAMESPACE,
+                "sh",
+                str(trainer.pid),
+                *cli,
+            ],
+            env=bw.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        doc = json.loads(r.stdout)
+        assert doc["allowed"] is False, r.stdout + r.stderr
+        (reason,) = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+        assert f"pid {trainer.pid} " in reason["detail"]
+    finally:
+        trainer.kill()
+        trainer.wait()
+
+
+def test_a_retry_never_says_the_sidecar_is_gone_because_it_does_not_answer(bw: Bw, tmp_path: Path) -> None:
+    """Review 13, F02's aside: the gate-less retry recorded "sidecar gone" whenever the sidecar did
+    not answer (its socket removed, a slow Hello), which nothing had checked."""
+    from tests.controller.test_teardown_resume import INSTANCE, audit, profile, provider_dir
+
+    p = bw.up(NAME, "--profile-file", str(profile(tmp_path)), "--instance-id", INSTANCE)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    interrupted_after(bw, teardown.RELEASE)  # killed before Shutdown: the sidecar lives on
+    state = State(bw.home)
+    sock = Path(state.get(NAME).socket)
+    state.close()
+    sock.unlink()  # a tmp cleaner: it no longer answers, and it still runs
+    r = bw("down", NAME, "--confirm", NAME)
+    assert r.returncode == 3, r.stderr
+    assert audit(bw)[-1]["result"]["sidecar_gone"] is False
+    (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()  # the provider says the box is gone
+    doc = bw.json("down", NAME, "--confirm", NAME)
+    assert doc["teardown"]["gone"] is True and doc["teardown"]["sidecar_gone"] is True

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.openfiles import _registered, open_for_write
+from tests.conftest import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -236,3 +237,74 @@ def test_a_file_behind_a_writable_loop_device_is_being_written(root: Path) -> No
     finally:
         subprocess.run(["losetup", "-d", dev.stdout.strip()], check=True)
     assert image not in open_for_write([root]).paths
+
+
+IN_ANOTHER_THREAD = """
+import ctypes, os, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+ready = threading.Event()
+def writer():
+    if sys.argv[2] == "own-table":
+        assert libc.unshare(0x400) == 0, ctypes.get_errno()  # CLONE_FILES: a table of its own
+    os.open(sys.argv[1], os.O_WRONLY)
+    ready.set()
+    threading.Event().wait()
+threading.Thread(target=writer, daemon=True).start()
+ready.wait()
+print("ready", flush=True)
+if sys.argv[2] == "main-exits":
+    libc.pthread_exit(None)  # /proc/PID/fd is the main thread's: empty from now on
+sys.stdin.read()
+"""
+
+
+@pytest.mark.parametrize("how", ["own-table", "main-exits"])
+def test_a_writer_in_a_thread_whose_table_is_not_the_main_threads_is_seen(root: Path, how: str) -> None:
+    """Review 13: the scan read /proc/PID/fd, the main thread's table, only: a thread that
+    unshared its file table, or outlived the main thread, wrote a checkpoint unseen."""
+    target = root / "w.bin"
+    target.write_bytes(b"x")
+    with holder(IN_ANOTHER_THREAD, str(target), how) as (pid, said):
+        assert said == "ready\n"
+        if how == "main-exits":
+            wait_until(
+                lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", what="Z"
+            )
+            assert os.listdir(f"/proc/{pid}/fd") == []
+        try:
+            assert target in open_for_write([root]).paths
+        finally:
+            os.kill(pid, 9)
+
+
+def test_a_live_file_whose_name_ends_like_a_deleted_one_is_seen(root: Path) -> None:
+    """Review 13, F03's twin: "x (deleted)" is also what /proc shows for an unlinked file; a live
+    file of that name open for writing was skipped as unlinked."""
+    target = root / "w.bin (deleted)"
+    target.write_bytes(b"x")
+    with held_open(target, "ab"):
+        assert target in open_for_write([root]).paths
+
+
+LONG_PATH_FIRST = """
+import os, sys
+deep = sys.argv[1]
+os.chdir(deep)
+for _ in range(25):
+    os.mkdir("d" * 200)
+    os.chdir("d" * 200)
+fd = os.open("build.log", os.O_WRONLY | os.O_CREAT)  # its path is longer than PATH_MAX
+os.chdir("/")
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_fd_whose_path_is_too_long_to_read_breaks_nothing(tmp_path: Path, root: Path) -> None:
+    """Review 13, F05: any process holding a file at a path longer than PATH_MAX made readlink
+    fail with ENAMETOOLONG; the scan let it out and every listing on the box failed."""
+    target = root / "w.bin"
+    target.write_bytes(b"x")
+    with holder(LONG_PATH_FIRST, str(tmp_path)) as (_, said), held_open(target, "ab"):
+        assert said == "ready\n"
+        assert open_for_write([root]).paths == {target}

@@ -60,3 +60,18 @@ def test_a_symlink_or_a_fifo_may_still_be_excluded(tmp_path: Path) -> None:
     (watch / "linked.dir").symlink_to(tmp_path)
     namer = ArtifactNamer((watch,), exclude_patterns=("latest.*", "*.fifo"))
     assert kinds(namer) == {"latest.pt": "excluded", "progress.fifo": "excluded", "linked.dir": "unclaimable"}
+
+
+def test_a_mount_point_that_is_watched_on_its_own_is_no_problem_of_its_parent(tmp_path: Path) -> None:
+    """Review 13, F07: "unmount it, or watch it on its own" — watched on its own (a second --watch),
+    the mount point was still reported by its parent's walk, and the gate refused forever."""
+    watch = tmp_path / "ckpt"
+    fast = watch / "fast"
+    fast.mkdir(parents=True)
+    (watch / "a.bin").write_bytes(b"a")
+    with tmpfs(fast):
+        (fast / "f.bin").write_bytes(b"f")
+        found = {(e.art, e.kind) for e in ArtifactNamer((watch, fast)).walk_all()}
+        alone = kinds(ArtifactNamer((watch,)))
+    assert found == {("ckpt/a.bin", "artifact"), ("ckpt/fast/f.bin", "artifact")}
+    assert alone == {"a.bin": "artifact", "fast": "unclaimable"}  # not watched: still reported

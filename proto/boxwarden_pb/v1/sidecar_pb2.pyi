@@ -1001,25 +1001,64 @@ class StopJobResponse(_message.Message):
 Global___StopJobResponse: _TypeAlias = StopJobResponse  # noqa: Y015
 
 @_typing.final
-class ListJobsRequest(_message.Message):
+class Caller(_message.Message):
+    """The process that asks (a controller on the box itself: a local box) and its ancestors, so that
+    the controller's own shell standing in the workdir is not taken for a stray. PIDs are numbers in
+    the caller's PID namespace: the sidecar believes them only when that namespace is its own (same
+    boot, same namespace inode) and each start time matches; otherwise it exempts nobody.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    CALLER_PIDS_FIELD_NUMBER: _builtins.int
+    PIDS_FIELD_NUMBER: _builtins.int
+    START_TICKS_FIELD_NUMBER: _builtins.int
+    PID_NS_FIELD_NUMBER: _builtins.int
+    BOOT_ID_FIELD_NUMBER: _builtins.int
+    pid_ns: _builtins.int
+    """The inode of the caller's /proc/self/ns/pid."""
+    boot_id: _builtins.str
+    """/proc/sys/kernel/random/boot_id on the caller's machine."""
     @_builtins.property
-    def caller_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The caller's own process first, then its ancestors, in the sidecar's PID namespace; sent only
-        when the caller runs on the box itself (a local box). The first and its descendants, and the
-        others exactly, are never strays: the controller's own shell may stand in the workdir.
-        """
+    def pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The caller's own process first, then its ancestors."""
+
+    @_builtins.property
+    def start_ticks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Field 22 of /proc/PID/stat for each of pids (clock ticks since boot)."""
 
     def __init__(
         self,
         *,
-        caller_pids: _abc.Iterable[_builtins.int] | None = ...,
+        pids: _abc.Iterable[_builtins.int] | None = ...,
+        start_ticks: _abc.Iterable[_builtins.int] | None = ...,
+        pid_ns: _builtins.int = ...,
+        boot_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_pids", b"caller_pids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "pid_ns", b"pid_ns", "pids", b"pids", "start_ticks", b"start_ticks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Caller: _TypeAlias = Caller  # noqa: Y015
+
+@_typing.final
+class ListJobsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def caller(self) -> Global___Caller:
+        """Absent when the caller does not run on the box."""
+
+    def __init__(
+        self,
+        *,
+        caller: Global___Caller | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1142,22 +1181,22 @@ class ReleaseArtifactsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
-    CALLER_PIDS_FIELD_NUMBER: _builtins.int
+    CALLER_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
     """Must equal the current manifest digest."""
     @_builtins.property
-    def caller_pids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+    def caller(self) -> Global___Caller:
         """As in ListJobsRequest."""
 
     def __init__(
         self,
         *,
         manifest_digest: _builtins.str = ...,
-        caller_pids: _abc.Iterable[_builtins.int] | None = ...,
+        caller: Global___Caller | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller_pids", b"caller_pids", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "manifest_digest", b"manifest_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
