@@ -262,8 +262,13 @@ def _durable_apart(ddir: Path, watch: list[Path], box_dir: Path) -> None:
             )
 
 
-RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR}
-"""With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's own."""
+DURABLE_STORE_NAMES = frozenset(
+    {".boxwarden-tmp", ".boxwarden-store-id", ".boxwarden-owner", ".boxwarden-attic"}
+)
+"""The durable store's own names at the top of a run's corner (the sidecar's, in its RESERVED_TOP)."""
+RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR} | DURABLE_STORE_NAMES
+"""With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's
+or the durable store's own (every file below would be unclaimable for good)."""
 
 
 def check_watch_spelling(given: Path, workdir: Path) -> None:
@@ -284,8 +289,8 @@ def check_watch_spelling(given: Path, workdir: Path) -> None:
             )
     if given.name in RESERVED_WATCH_NAMES:
         raise UsageError(
-            f"--watch {given}: {given.name!r} is reserved for boxwarden's own files in a pulled tree; "
-            "rename the directory"
+            f"--watch {given}: {given.name!r} is reserved for boxwarden's own files in a pulled tree or "
+            "the durable store; rename the directory"
         )
 
 
@@ -386,7 +391,7 @@ async def pull_box(state: State, box: Box, to: Path, progress: Progress | None =
         rep = await pull(
             c, root=to, run_id=box.run_id, instance=box.name, roster=box.roster, progress=progress
         )
-    state.put(box.with_(pulled_dir=str(to.resolve())))
+    state.set_pulled_dir(box.name, str(to.resolve()))
     return rep
 
 

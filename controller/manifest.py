@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -212,7 +213,10 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     """Write `obj` as JSON so that `path` holds either the old content or all of the new one, even
     across a crash: tmp in the same directory → write → fsync → rename → fsync the directory."""
     text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False, allow_nan=False) + "\n"
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise StateError(f"{path}: cannot write it: {exc.strerror or exc}") from exc
     try:
         with os.fdopen(fd, "wb") as fh:
             # mkstemp makes 0600; these files describe the user's own data and are meant to be read.
@@ -221,9 +225,13 @@ def atomic_write_json(path: Path, obj: Any) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+        if isinstance(exc, OSError):
+            why = exc.strerror or str(exc)
+            full = " (free some space, then run the command again)" if exc.errno == errno.ENOSPC else ""
+            raise StateError(f"{path}: cannot write it: {why}{full}") from exc
         raise
     fsync_dir(path.parent)
 

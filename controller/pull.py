@@ -169,6 +169,9 @@ async def _pull_locked(
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
+        # Paths some pull accounts for (claimed now, recorded by an earlier pull, or being put in
+        # place): a `<claim>.bw-part` among them is an artifact, never an old partial copy.
+        accounted = claim_paths | set(earlier) | {path for path, _, _ in placing}
         todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
         if todo:
             _write_placing(root, manifest, placing | todo)
@@ -181,7 +184,7 @@ async def _pull_locked(
                     if progress:
                         progress(claim.path, claim.size, claim.size)
                     continue
-                _adopt_legacy_part(parent_fd, name, parts_fd, claim, claim_paths)
+                _adopt_legacy_part(parent_fd, name, parts_fd, claim, accounted)
                 report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
                 try:
                     os.replace(_part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
@@ -434,13 +437,14 @@ def _part_name(claim: pb.Claim) -> str:
 
 
 def _adopt_legacy_part(
-    parent_fd: int, name: str, parts_fd: int, claim: pb.Claim, claim_paths: set[str]
+    parent_fd: int, name: str, parts_fd: int, claim: pb.Claim, accounted: set[str]
 ) -> None:
-    """Resume from `<name>.bw-part` beside the file, where an older version left a partial copy."""
+    """Resume from `<name>.bw-part` beside the file, where an older version left a partial copy
+    (unless a pull accounts for a file of that name: `accounted`)."""
     legacy = name + LEGACY_PART_SUFFIX
     sibling = claim.path + LEGACY_PART_SUFFIX
-    if sibling in claim_paths:
-        return  # an artifact of that name, not a partial copy
+    if sibling in accounted:
+        return  # an artifact of that name, now or pulled before: not a partial copy
     try:
         os.stat(_part_name(claim), dir_fd=parts_fd, follow_symlinks=False)
         return  # a current part file wins

@@ -112,6 +112,11 @@ class State:
     def box_dir(self, name: str) -> Path:
         return self.home / "boxes" / name
 
+    def box_lock(self, name: str) -> Path:
+        """The lock `down` and `up` of box `name` hold, one of them at a time (outside the box's
+        dir: a refused `up` creates no box dir)."""
+        return self.home / "locks" / f"{name}.lock"
+
     def put(self, box: Box) -> None:
         with self._tx() as db:
             self._put(db, box)
@@ -122,6 +127,14 @@ class State:
             "INSERT OR REPLACE INTO boxes(name, record, updated_at_ns) VALUES (?,?,?)",
             (box.name, json.dumps(box.to_json()), time.time_ns()),
         )
+
+    def set_pulled_dir(self, name: str, pulled_dir: str) -> None:
+        """Record where the box was last pulled to, on the record as it is now: a pull that ran
+        for an hour must not put back the status it read when it began (a `down` since)."""
+        with self._tx() as db:
+            row = db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
+            if row is not None:
+                self._put(db, Box.from_json(json.loads(row[0])).with_(pulled_dir=pulled_dir))
 
     def get(self, name: str) -> Box:
         row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()

@@ -238,6 +238,14 @@ async def teardown(
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
         await _meter(state, box, profile, result, manual_done, retry=retry, send=True)
+        if await sidecar_answers(box):
+            # Something started a sidecar while the meter stopped (`up` waits for this `down`; a
+            # sidecar started by hand does not): the box is watched and may run jobs again.
+            result.sidecar_gone = False
+            raise ControllerError(
+                f"a sidecar answers on {box.name} again, after its meter stop: something started one "
+                "during the teardown, so the box is not gone; see `boxwarden status`"
+            )
 
     return await _audited(state, box, record, result, steps)
 

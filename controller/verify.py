@@ -231,6 +231,8 @@ def _remove_marker(root: Path, marker: Path) -> None:
     except FileNotFoundError:
         return
     except OSError as exc:
+        if not os.path.lexists(marker):
+            return  # none there (a read-only filesystem says EROFS before it says ENOENT)
         raise StateError(f"{marker}: cannot remove the old marker: {exc.strerror or exc}") from exc
     # The removal must be on disk before anything else happens, or a crash could revive it.
     fsync_dir(root)

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from controller import teardown
 from controller.state import State
@@ -226,3 +229,98 @@ def test_a_retry_never_says_the_sidecar_is_gone_because_it_does_not_answer(bw: B
     (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()  # the provider says the box is gone
     doc = bw.json("down", NAME, "--confirm", NAME)
     assert doc["teardown"]["gone"] is True and doc["teardown"]["sidecar_gone"] is True
+
+
+# -- Review 14 ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["up", "by-hand"])
+def test_a_sidecar_started_during_the_meter_stop_is_never_reported_gone(
+    bw: Bw, tmp_path: Path, how: str
+) -> None:
+    """Review 14, F02: `up` during `down`'s meter stop started a fresh sidecar (one that had never
+    released anything, so it took a job); `down` then said gone, with the job writing a checkpoint
+    on a box about to be destroyed. `up` now waits for the `down`; a sidecar started by hand makes
+    the `down` fail instead of saying gone."""
+    from tests.controller.test_teardown_resume import INSTANCE, profile, provider_dir
+
+    slow = profile(tmp_path)
+    slow.write_text(slow.read_text().replace("timeout_s = 1\n", "timeout_s = 120\n"))
+    p = bw.up(NAME, "--profile-file", str(slow), "--instance-id", INSTANCE)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
+    bw.ok("verify", str(bw.cwd / "pulled"))
+    prov = provider_dir(tmp_path)
+    (prov / "complete").touch()  # the stop destroys the box...
+    (prov / "hang").touch()  # ...and its command takes its time returning
+    down = bw.spawn("down", NAME, "--confirm", NAME)
+    by_hand = None
+    try:
+        wait_until(lambda: (prov / "stopper.pid").exists(), timeout=60, what="the meter stop to run")
+        if how == "up":
+            again = ("--workdir", str(bw.cwd), "--watch", "ckpt", "--instance-id", INSTANCE)
+            r = bw("up", NAME, "--profile-file", str(slow), *again)
+            assert r.returncode == 1, r.stdout + r.stderr
+            assert f"a `down {NAME}` is running" in r.stderr
+        else:
+            config = bw.home / "boxes" / NAME / "sidecar.json"
+            by_hand = subprocess.Popen([sys.executable, "-m", "sidecar", "--config", str(config)], env=bw.env)
+            state = State(bw.home)
+            box = state.get(NAME)
+            state.close()
+            wait_until(lambda: asyncio.run(teardown.sidecar_answers(box)), what="the sidecar to answer")
+    finally:
+        (prov / "hang").unlink()
+        down.wait(timeout=120)
+        if by_hand is not None:
+            by_hand.terminate()
+            by_hand.wait(timeout=30)
+    status = bw.json("status")["boxes"][0]["status"]
+    if how == "up":
+        assert down.returncode == 0 and status == "down"
+        assert not any(pid_alive(pid) for pid in bw.sidecar_pids())
+    else:
+        assert down.returncode != 0 and status != "down"
+
+
+def test_pull_never_takes_an_artifact_it_pulled_before_for_a_partial_copy(bw: Bw) -> None:
+    """Review 14, F04: `a.bin.bw-part`, an artifact an earlier pull had put in the tree, was taken
+    for an older version's partial copy of `a.bin` once the box no longer claimed it: moved into
+    the parts dir and overwritten, and the manifest did not list it as retired."""
+    p, pulled = pulled_box(bw, {"a.bin": b"model v1", "a.bin.bw-part": b"the only pulled copy"})
+    (p["watch"] / "a.bin.bw-part").unlink()
+    (p["watch"] / "a.bin").write_bytes(b"model v2, longer than v1")
+    wait_until(lambda: [c["path"] for c in bw.wait_durable(NAME, 1)["claims"]] == ["a.bin"], what="v2")
+    report = bw.json("pull", NAME, "--to", str(pulled))
+    assert report["fetched"] == ["a.bin"] and report["resumed"] == {} and report["restarted"] == []
+    assert report["retired"] == ["a.bin.bw-part"]
+    assert (pulled / "a.bin.bw-part").read_bytes() == b"the only pulled copy"
+    assert (pulled / "a.bin").read_bytes() == b"model v2, longer than v1"
+
+
+def test_up_refuses_a_watched_dir_named_like_the_durable_stores_own_files(bw: Bw) -> None:
+    """Review 14, F03: with two watched dirs, `.boxwarden-tmp/b.bin` was unclaimable for good."""
+    (bw.cwd / "ckpt").mkdir()
+    r = bw(*up_args(bw, "--watch", ".boxwarden-tmp"))
+    assert r.returncode == 2 and "'.boxwarden-tmp' is reserved" in r.stderr, r.stderr
+    assert not (bw.cwd / ".boxwarden-tmp").exists()
+
+
+def test_a_pull_that_ends_after_a_down_leaves_the_box_down(bw: Bw) -> None:
+    """Review 14 (a suspicion, confirmed here): a pull wrote back the whole box record it had read
+    when it began, so a long pull that ended after a `down` set the box back to "up"."""
+    from controller import boxes
+
+    p = bw.up(NAME)
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    state = State(bw.home)
+    try:
+        as_the_pull_began = state.get(NAME)
+        state.put(as_the_pull_began.with_(status="down"))  # what a `down` meanwhile records
+        asyncio.run(boxes.pull_box(state, as_the_pull_began, bw.cwd / "pulled"))
+        after = state.get(NAME)
+    finally:
+        state.close()
+    assert after.status == "down" and after.pulled_dir == str((bw.cwd / "pulled").resolve())

@@ -57,8 +57,8 @@ def command(
         _down(state, box, dry_run, confirm, pulled, meter_stopped, False, as_json)
         return
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
-    busy = f"another `down {name}` is running (pid {{pid}}); wait for it"
-    with exclusive(Path(box.box_dir) / "down.lock", busy):
+    busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
+    with exclusive(state.box_lock(name), busy):
         _down(state, state.get(name), dry_run, confirm, pulled, meter_stopped, resend_stop, as_json)
 
 

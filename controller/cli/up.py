@@ -10,6 +10,7 @@ import click
 
 from controller import boxes, render
 from controller.cli.options import json_flag, open_state, roster_option
+from controller.state import exclusive
 
 
 @click.command("up")
@@ -72,21 +73,25 @@ def command(
     if host:
         raise click.UsageError("--host (remote boxes over SSH) is not supported by this version")
     state = open_state()
-    out = asyncio.run(
-        boxes.up(
-            state,
-            name,
-            profile=profile,
-            profile_file=profile_file,
-            instance_id=instance_id,
-            workdir=workdir,
-            watch=watch,
-            durable=durable,
-            run_id=run_id,
-            roster=roster,
-            exclude=exclude,
+    # Never while a `down` of the box runs: a sidecar started during its meter stop would watch
+    # (and run jobs on) a box that `down` then reports gone.
+    busy = f"a `down {name}` is running (pid {{pid}}); wait for it to end before `up {name}`"
+    with exclusive(state.box_lock(name), busy):
+        out = asyncio.run(
+            boxes.up(
+                state,
+                name,
+                profile=profile,
+                profile_file=profile_file,
+                instance_id=instance_id,
+                workdir=workdir,
+                watch=watch,
+                durable=durable,
+                run_id=run_id,
+                roster=roster,
+                exclude=exclude,
+            )
         )
-    )
     if as_json:
         render.json_out(
             {

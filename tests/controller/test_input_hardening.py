@@ -186,7 +186,7 @@ def test_a_meter_stop_command_that_times_out_is_killed_with_what_it_started(tmp_
 @contextlib.contextmanager
 def held_down_lock(bw: Bw, name: str = "b1") -> Any:
     """Hold the box's `down` lock the way a running `down` does (this test's pid in the file)."""
-    path = bw.home / "boxes" / name / "down.lock"
+    path = bw.home / "locks" / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -201,7 +201,7 @@ def test_a_second_down_fails_at_once_and_writes_no_audit(bw: Bw, status: str) ->
     with held_down_lock(bw):
         r = bw("down", "b1", "--confirm", "b1")
     assert r.returncode == 1, r.stderr
-    assert f"another `down b1` is running (pid {os.getpid()}); wait for it" in r.stderr
+    assert f"another `down b1` or an `up b1` is running (pid {os.getpid()}); wait for it" in r.stderr
     assert audit(bw) == []
     assert stored(bw) == json.loads(json.dumps(before.to_json()))
 
@@ -215,7 +215,7 @@ def test_two_real_downs_of_one_box(bw: Bw, tmp_path: Path) -> None:
         wait_until(lambda: ["show", "i-123"] in calls(tmp_path), timeout=60, what="the first down's poll")
         second = bw("down", "fk1", "--confirm", "fk1")
         assert second.returncode == 1, second.stderr
-        assert f"another `down fk1` is running (pid {first.pid}); wait for it" in second.stderr
+        assert f"another `down fk1` or an `up fk1` is running (pid {first.pid}); wait for it" in second.stderr
         assert audit(bw) == []  # the first one is still at work; the second wrote nothing
         first.send_signal(signal.SIGINT)
         assert first.wait(timeout=60) == 130

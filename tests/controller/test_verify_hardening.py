@@ -4,6 +4,7 @@ CLI in a subprocess where a crash would show as an exit status."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -221,3 +222,25 @@ def test_json_nested_past_the_parsers_stack_is_refused_as_invalid(tmp_path: Path
     deep.write_text("[" * 200_000 + "]" * 200_000)
     with pytest.raises(StateError, match="nested too deeply"):
         load_json_object(deep)
+
+
+def test_a_full_or_read_only_tree_is_a_clear_error_not_an_internal_one(tmp_path: Path) -> None:
+    """Review 14, F01: ENOSPC while writing MANIFEST.json or the marker was an "internal error"
+    with a traceback in the logs; on a read-only tree with no marker, verify said it could not
+    remove the old one."""
+    from controller.manifest import atomic_write_json
+    from controller.verify import _remove_marker
+
+    point = tmp_path / "small"
+    point.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(point)], check=True)
+    try:
+        with contextlib.suppress(OSError):
+            (point / "filler").write_bytes(b"x" * (1 << 20))  # fills it
+        with pytest.raises(StateError, match=r"No space left on device.*free some space"):
+            atomic_write_json(point / "MANIFEST.json", {"files": ["x" * 100_000]})
+        assert sorted(p.name for p in point.iterdir()) == ["filler"]  # no temp file left
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+        _remove_marker(point, point / "PULL_VERIFIED.json")  # none there: nothing to say
+    finally:
+        subprocess.run(["umount", str(point)], check=True)

@@ -75,3 +75,13 @@ def test_a_mount_point_that_is_watched_on_its_own_is_no_problem_of_its_parent(tm
         alone = kinds(ArtifactNamer((watch,)))
     assert found == {("ckpt/a.bin", "artifact"), ("ckpt/fast/f.bin", "artifact")}
     assert alone == {"a.bin": "artifact", "fast": "unclaimable"}  # not watched: still reported
+
+
+def test_up_refuses_every_name_the_sidecar_reserves_at_the_top() -> None:
+    """Review 14, F03: `up` took a watched dir named `.boxwarden-tmp` (a durable store name), whose
+    files were then unclaimable for good. The controller's list is the sidecar's (they never
+    import each other: the lists are twins)."""
+    from controller.boxes import RESERVED_WATCH_NAMES
+    from sidecar.paths import RESERVED_TOP
+
+    assert RESERVED_WATCH_NAMES == RESERVED_TOP
