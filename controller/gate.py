@@ -30,7 +30,7 @@ from controller.errors import (
 )
 from controller.overlap import overlap_problem
 from controller.state import Box
-from controller.verify import VerifyReport, read_marker, verify_tree
+from controller.verify import VerifyReport, loaded_by, read_marker, verify_tree
 
 PENDING_CODES = {
     pb.PENDING_WRITING: "UNSEALED_WRITES",
@@ -145,12 +145,15 @@ async def gather(
         ev.marker_digest = str(marker.get("manifest_digest", ""))
         ev.allow_empty = bool(marker.get("allow_empty", False))
     try:
+        # Every byte is hashed again; a checkpoint the verify of this manifest loaded is not loaded
+        # again (the same bytes load the same way, and `import torch` costs seconds).
         ev.verify = verify_tree(
             pulled_dir,
             roster=box.roster or None,
             write_marker=False,
             verifier_version=__version__,
             allow_empty=ev.allow_empty,
+            loaded=loaded_by(marker) if marker is not None else None,
         )
     except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
         reasons.append(Reason("NOT_PULLED", detail=str(e)))

@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -91,12 +91,15 @@ def verify_tree(
     verifier_version: str,
     loader: CheckpointLoader | None = None,
     allow_empty: bool = False,
+    loaded: Loaded | None = None,
 ) -> VerifyReport:
     """Verify the pulled tree at `root` against its MANIFEST.json.
 
     `roster` replaces the manifest's roster when given and non-empty (an empty list cannot weaken
     the manifest's). `loader` loads torch checkpoints (None: torch, imported lazily). `allow_empty`:
-    a manifest with no files verifies (the run produced nothing) instead of being EMPTY. Raises
+    a manifest with no files verifies (the run produced nothing) instead of being EMPTY. `loaded`:
+    files an earlier verify of this very manifest load-probed (see `loaded_by`): a file whose bytes
+    hash equal again is not loaded again (the same bytes load the same way). Raises
     ControllerError only when verification cannot run (root missing, a pull into it running, old
     marker not removable, a directory unreadable); every finding about the tree is a Reason.
     """
@@ -105,7 +108,7 @@ def verify_tree(
         raise StateError(f"{root}: not a directory")
     lock_fd = lock_tree(root, exclusive=False)
     try:
-        return _verify_locked(root, roster, write_marker, verifier_version, loader, allow_empty)
+        return _verify_locked(root, roster, write_marker, verifier_version, loader, allow_empty, loaded)
     finally:
         os.close(lock_fd)
 
@@ -117,6 +120,7 @@ def _verify_locked(
     verifier_version: str,
     loader: CheckpointLoader | None,
     allow_empty: bool,
+    loaded: Loaded | None,
 ) -> VerifyReport:
     marker = root / MARKER_NAME
     manifest_path = root / MANIFEST_NAME
@@ -155,7 +159,8 @@ def _verify_locked(
             )
         )
 
-    good, probes, file_reasons = _check_files(root, manifest, scan, loader)
+    proven = loaded.paths if loaded is not None and loaded.manifest_digest == manifest.digest else frozenset()
+    good, probes, file_reasons = _check_files(root, manifest, scan, loader, proven)
     reasons += file_reasons
     cells = tuple(roster) if roster else manifest.roster
     reasons += _roster_reasons(cells, manifest, good)
@@ -186,6 +191,29 @@ def _verify_locked(
         probes,
         marker_path,
     )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a marker says was load-probed, and passed, for the manifest it verified."""
+
+    manifest_digest: str
+    paths: frozenset[str]
+
+
+def loaded_by(marker: Mapping[str, Any]) -> Loaded:
+    """The files a (read_marker-checked) marker's verify loaded, bound to its manifest digest."""
+    probes = marker.get("load_probe", [])
+    paths = (
+        frozenset(
+            p["path"]
+            for p in probes
+            if isinstance(p, dict) and p.get("ok") is True and isinstance(p.get("path"), str)
+        )
+        if isinstance(probes, list)
+        else frozenset()
+    )
+    return Loaded(str(marker["manifest_digest"]), paths)
 
 
 def read_marker(root: Path) -> dict[str, Any] | None:
@@ -296,14 +324,18 @@ def _bytes_reason(
 
 
 def _check_files(
-    root: Path, manifest: Manifest, scan: _Scan, loader: CheckpointLoader | None
+    root: Path, manifest: Manifest, scan: _Scan, loader: CheckpointLoader | None, proven: frozenset[str]
 ) -> tuple[set[str], tuple[ProbeResult, ...], list[Reason]]:
-    """Size, hash and probe every manifest file. Returns the paths that passed, the probe results
-    (files a probe applies to), and the reasons."""
+    """Size, hash and probe every manifest file (but those in `proven`, loaded by a verify of this
+    manifest: once their bytes hash equal, they pass). Returns the paths that passed, the probe
+    results (files a probe applies to), and the reasons."""
     good: set[str] = set()
     reasons: list[Reason] = []
     pending: dict[str, Future[ProbeResult]] = {}
-    needs_torch = loader is None and any(probe_kind(f.path) == "torch" for f in manifest.files)
+    again: list[ProbeResult] = []
+    needs_torch = loader is None and any(
+        probe_kind(f.path) == "torch" and f.path not in proven for f in manifest.files
+    )
     # One probe worker: probes of hashed files overlap with hashing the next one, and importing
     # torch (seconds) overlaps with hashing from the start.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-probe") as pool:
@@ -321,10 +353,13 @@ def _check_files(
                 reasons.append(reason)
             elif probe_kind(f.path) == "none":
                 good.add(f.path)
+            elif f.path in proven:
+                good.add(f.path)
+                again.append(ProbeResult(f.path, probe_kind(f.path), True, "loaded at verify (same bytes)"))
             else:
                 pending[f.path] = pool.submit(run_probe, root / f.path)
 
-        probes: list[ProbeResult] = []
+        probes: list[ProbeResult] = list(again)
         for path, future in pending.items():
             result = replace(future.result(), path=path)
             probes.append(result)

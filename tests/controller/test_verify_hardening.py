@@ -5,6 +5,7 @@ CLI in a subprocess where a crash would show as an exit status."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
@@ -244,3 +245,46 @@ def test_a_full_or_read_only_tree_is_a_clear_error_not_an_internal_one(tmp_path:
         _remove_marker(point, point / "PULL_VERIFIED.json")  # none there: nothing to say
     finally:
         subprocess.run(["umount", str(point)], check=True)
+
+
+class CountingLoader:
+    """A checkpoint loader that records what it was asked to load (and loads nothing)."""
+
+    def __init__(self) -> None:
+        self.loaded: list[str] = []
+
+    def load(self, path: Path) -> None:
+        self.loaded.append(path.name)
+
+
+def test_the_gate_loads_again_only_what_the_verify_of_this_manifest_did_not(tmp_path: Path) -> None:
+    """The gate hashes every byte again, but a checkpoint the marker's verify loaded, whose bytes
+    hash equal, is not loaded again (each `down` paid `import torch`); a marker of another manifest
+    vouches for nothing, and a changed file is a mismatch before any load."""
+    from controller.verify import loaded_by
+
+    root = tmp_path / "pulled"
+    (root / "cell-a").mkdir(parents=True)
+    (root / "cell-a" / "a.pt").write_bytes(b"checkpoint a")
+    (root / "cell-a" / "b.pt").write_bytes(b"checkpoint b")
+    claim_all(root)
+    first = CountingLoader()
+    assert verify_tree(root, verifier_version=VERSION, loader=first).ok
+    assert sorted(first.loaded) == ["a.pt", "b.pt"]
+    marker = read_marker(root)
+    assert marker is not None
+    again = CountingLoader()
+    report = verify_tree(
+        root, verifier_version=VERSION, loader=again, write_marker=False, loaded=loaded_by(marker)
+    )
+    assert report.ok and again.loaded == []
+    assert {p.detail for p in report.probes} == {"loaded at verify (same bytes)"}
+    other = CountingLoader()
+    stale = dataclasses.replace(loaded_by(marker), manifest_digest="0" * 64)
+    assert verify_tree(root, verifier_version=VERSION, loader=other, write_marker=False, loaded=stale).ok
+    assert sorted(other.loaded) == ["a.pt", "b.pt"]
+    (root / "cell-a" / "a.pt").write_bytes(b"checkpoint A")  # same size, other bytes
+    changed = verify_tree(
+        root, verifier_version=VERSION, loader=again, write_marker=False, loaded=loaded_by(marker)
+    )
+    assert [r.code for r in changed.reasons] == ["HASH_MISMATCH"] and again.loaded == []
