@@ -56,7 +56,6 @@ from controller.overlap import check_claim_paths, destination_problem, overlap_p
 
 logger = logging.getLogger(__name__)
 
-LEGACY_PART_SUFFIX = ".bw-part"  # where older versions kept a partial file: picked up to resume
 ATTEMPTS = 3
 Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
 Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
@@ -169,9 +168,6 @@ async def _pull_locked(
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
-        # Paths some pull accounts for (claimed now, recorded by an earlier pull, or being put in
-        # place): a `<claim>.bw-part` among them is an artifact, never an old partial copy.
-        accounted = claim_paths | set(earlier) | {path for path, _, _ in placing}
         todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
         if todo:
             _write_placing(root, manifest, placing | todo)
@@ -184,7 +180,6 @@ async def _pull_locked(
                     if progress:
                         progress(claim.path, claim.size, claim.size)
                     continue
-                _adopt_legacy_part(parent_fd, name, parts_fd, claim, accounted)
                 report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
                 try:
                     os.replace(_part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
@@ -434,28 +429,6 @@ def _local_digest(path: Path) -> str | None:
 
 def _part_name(claim: pb.Claim) -> str:
     return f"{path_key(claim.path)}.part"
-
-
-def _adopt_legacy_part(
-    parent_fd: int, name: str, parts_fd: int, claim: pb.Claim, accounted: set[str]
-) -> None:
-    """Resume from `<name>.bw-part` beside the file, where an older version left a partial copy
-    (unless a pull accounts for a file of that name: `accounted`)."""
-    legacy = name + LEGACY_PART_SUFFIX
-    sibling = claim.path + LEGACY_PART_SUFFIX
-    if sibling in accounted:
-        return  # an artifact of that name, now or pulled before: not a partial copy
-    try:
-        os.stat(_part_name(claim), dir_fd=parts_fd, follow_symlinks=False)
-        return  # a current part file wins
-    except FileNotFoundError:
-        pass
-    try:
-        if stat.S_ISREG(os.stat(legacy, dir_fd=parent_fd, follow_symlinks=False).st_mode):
-            os.rename(legacy, _part_name(claim), src_dir_fd=parent_fd, dst_dir_fd=parts_fd)
-            logger.info("%s: resuming from the partial file %s", claim.path, legacy)
-    except OSError:
-        return  # none there (or a name too long to have one)
 
 
 async def _fetch(

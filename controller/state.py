@@ -114,7 +114,10 @@ class State:
 
     def box_lock(self, name: str) -> Path:
         """The lock `down` and `up` of box `name` hold, one of them at a time (outside the box's
-        dir: a refused `up` creates no box dir)."""
+        dir: a refused `up` creates no box dir). `name` must be a checked box name: a path given
+        for one would put the lock (and its truncation) anywhere."""
+        if not name or "/" in name or name in (".", ".."):
+            raise StateError(f"internal: {name!r} is no box name for a lock")
         return self.home / "locks" / f"{name}.lock"
 
     def put(self, box: Box) -> None:

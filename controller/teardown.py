@@ -264,7 +264,8 @@ async def retry_meter(
     anyway), otherwise this refuses (exit 3) and says how to let the gate check the box again."""
     u = unfinished(state, box) or Unfinished(box.name, box.status, {})
     ms = profile.meter_stop
-    seen_gone = SIDECAR_GONE in u.steps or METER_STOP in u.steps or u.status == "meter-unproven"
+    # (A meter stop kept across `up` again says nothing of the sidecar that `up` started.)
+    seen_gone = SIDECAR_GONE in u.steps or u.status == "meter-unproven"
     # The sidecar does not answer, which does not make it gone: only its end seen after the
     # release, or the provider's word that the whole box is gone, says so.
     result = TeardownResult(box=box.name, sidecar_gone=seen_gone)

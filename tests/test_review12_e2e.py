@@ -324,3 +324,60 @@ def test_a_pull_that_ends_after_a_down_leaves_the_box_down(bw: Bw) -> None:
     finally:
         state.close()
     assert after.status == "down" and after.pulled_dir == str((bw.cwd / "pulled").resolve())
+
+
+# -- Review 15 ------------------------------------------------------------------------------------
+
+
+def test_up_with_a_path_for_a_name_touches_no_file(bw: Bw, tmp_path: Path) -> None:
+    """Review 15, F02: `up ~/proj/poetry` took its lock at `~/proj/poetry.lock` (emptied it) before
+    it refused the name."""
+    lock = tmp_path / "proj" / "poetry.lock"
+    lock.parent.mkdir()
+    lock.write_text("the project's pinned dependencies\n")
+    for name in (str(tmp_path / "proj" / "poetry"), "../../proj/poetry", "x/y"):
+        r = bw("up", name, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+        assert r.returncode == 2 and "is not allowed" in r.stderr, r.stderr
+    assert lock.read_text() == "the project's pinned dependencies\n"
+    assert sorted(p.name for p in (tmp_path / "proj").iterdir()) == ["poetry.lock"]
+    assert not (bw.home / "locks").exists()
+
+
+def test_pull_leaves_a_users_file_named_like_an_old_partial_copy_alone(bw: Bw) -> None:
+    """Review 15, F01: a file `m.pt.bw-part` of the user's own in the target (no pull put it
+    there) was taken for an older version's partial copy of `m.pt`, and overwritten."""
+    p = bw.up(NAME)
+    (p["watch"] / "m.pt").write_bytes(b"the checkpoint")
+    bw.wait_durable(NAME, 1)
+    pulled = bw.cwd / "pulled"
+    pulled.mkdir()
+    (pulled / "m.pt.bw-part").write_bytes(b"the user's own notes")
+    report = bw.json("pull", NAME, "--to", str(pulled))
+    assert report["fetched"] == ["m.pt"] and report["restarted"] == [] and report["resumed"] == {}
+    assert report["extra_local"] == ["m.pt.bw-part"]
+    assert (pulled / "m.pt.bw-part").read_bytes() == b"the user's own notes"
+
+
+def test_a_meter_stop_kept_across_up_never_stands_for_the_new_sidecars_end(bw: Bw, tmp_path: Path) -> None:
+    """Review 15 (a suspicion, confirmed here): console steps shown by a `down` (not confirmed),
+    then `up` again, new checkpoints, and the new sidecar crashed: `down --meter-stopped` took the
+    kept meter-stop step for the sidecar seen gone, and marked the box down without a gate."""
+    profile = fake_profile(tmp_path)
+    text = profile.read_text()
+    start, end = text.index("[meter_stop]"), text.index("[detach]")
+    manual = 'verb = "release"\nirreversible = true\nmode = "manual"\nmanual = "Console: Release"\n\n'
+    profile.write_text(text[:start] + "[meter_stop]\n" + manual + text[end:])
+    p = bw.up(NAME, "--profile-file", str(profile))
+    (p["watch"] / "a.bin").write_bytes(b"a")
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
+    bw.ok("verify", str(bw.cwd / "pulled"))
+    r = bw("down", NAME, "--confirm", NAME)  # no terminal: the console steps are not confirmed
+    assert r.returncode == 1 and "Console: Release" in r.stderr, r.stderr
+    bw.ok("up", NAME, "--profile-file", str(profile), "--workdir", str(bw.cwd), "--watch", "ckpt")
+    (p["watch"] / "b.bin").write_bytes(b"written after up again")
+    bw.wait_durable(NAME, 1)
+    sidecar_stops_answering(bw)
+    r = bw("down", NAME, "--confirm", NAME, "--meter-stopped")
+    assert r.returncode == 3, r.stderr
+    assert bw.json("status")["boxes"][0]["status"] != "down"

@@ -72,6 +72,7 @@ def command(
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
     if host:
         raise click.UsageError("--host (remote boxes over SSH) is not supported by this version")
+    boxes.check_name(name)  # before its lock's path is made from it
     state = open_state()
     # Never while a `down` of the box runs: a sidecar started during its meter stop would watch
     # (and run jobs on) a box that `down` then reports gone.

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+from controller.digest import path_key
 from tests.conftest import Bw, pid_alive, save_ckpt
 
 
@@ -71,7 +72,7 @@ def test_pull_resumes_from_the_partial_file(bw: Bw) -> None:
     bw.wait_durable("b1", 1)
     pulled = bw.cwd / "pulled"
     # An interrupted earlier pull left the first 3 MB (right bytes) as the partial file.
-    part = pulled / "cell-a" / "big.pt.bw-part"
+    part = pulled / ".bw-parts" / f"{path_key('cell-a/big.pt')}.part"
     part.parent.mkdir(parents=True)
     part.write_bytes((p["watch"] / "cell-a" / "big.pt").read_bytes()[: 3 << 20])
     rep = bw.json("pull", "b1", "--to", str(pulled))
@@ -89,7 +90,7 @@ def test_pull_refetches_a_corrupt_partial_from_zero_and_keeps_nothing_wrong(bw: 
     save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=6, size=100_000)
     bw.wait_durable("b1", 1)
     pulled = bw.cwd / "pulled"
-    part = pulled / "cell-a" / "best.pt.bw-part"
+    part = pulled / ".bw-parts" / f"{path_key('cell-a/best.pt')}.part"
     part.parent.mkdir(parents=True)
     part.write_bytes(b"\0" * 1000)  # wrong bytes: the hash on receipt must catch it
     rep = bw.json("pull", "b1", "--to", str(pulled))
