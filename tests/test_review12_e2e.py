@@ -145,11 +145,8 @@ def test_a_process_holding_the_watched_dir_in_an_io_uring_holds_the_gate(bw: Bw)
     assert dry(bw)["allowed"] is True
 
 
-def test_console_steps_are_not_offered_without_a_gate_before_the_sidecar_was_seen_gone(
-    bw: Bw, tmp_path: Path
-) -> None:
-    """Review 12, F5 on a profile whose meter stop is console steps: the same interrupted
-    teardown showed the steps, and `--meter-stopped` on the next `down` marked the box down."""
+def manual_box(bw: Bw, tmp_path: Path) -> tuple[dict[str, Path], Path]:
+    """Box NAME on a profile whose meter stop is console steps, one file pulled and verified."""
     profile = fake_profile(tmp_path)
     text = profile.read_text()
     start, end = text.index("[meter_stop]"), text.index("[detach]")
@@ -160,6 +157,15 @@ def test_console_steps_are_not_offered_without_a_gate_before_the_sidecar_was_see
     bw.wait_durable(NAME, 1)
     bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
     bw.ok("verify", str(bw.cwd / "pulled"))
+    return p, profile
+
+
+def test_console_steps_are_not_offered_without_a_gate_before_the_sidecar_was_seen_gone(
+    bw: Bw, tmp_path: Path
+) -> None:
+    """Review 12, F5 on a profile whose meter stop is console steps: the same interrupted
+    teardown showed the steps, and `--meter-stopped` on the next `down` marked the box down."""
+    p, _ = manual_box(bw, tmp_path)
     interrupted_after(bw, teardown.RELEASE, teardown.SHUTDOWN)
     (p["watch"] / "b.bin").write_bytes(b"sealed after the interrupted teardown")
     bw.wait_durable(NAME, 2)
@@ -362,16 +368,7 @@ def test_a_meter_stop_kept_across_up_never_stands_for_the_new_sidecars_end(bw: B
     """Review 15 (a suspicion, confirmed here): console steps shown by a `down` (not confirmed),
     then `up` again, new checkpoints, and the new sidecar crashed: `down --meter-stopped` took the
     kept meter-stop step for the sidecar seen gone, and marked the box down without a gate."""
-    profile = fake_profile(tmp_path)
-    text = profile.read_text()
-    start, end = text.index("[meter_stop]"), text.index("[detach]")
-    manual = 'verb = "release"\nirreversible = true\nmode = "manual"\nmanual = "Console: Release"\n\n'
-    profile.write_text(text[:start] + "[meter_stop]\n" + manual + text[end:])
-    p = bw.up(NAME, "--profile-file", str(profile))
-    (p["watch"] / "a.bin").write_bytes(b"a")
-    bw.wait_durable(NAME, 1)
-    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
-    bw.ok("verify", str(bw.cwd / "pulled"))
+    p, profile = manual_box(bw, tmp_path)
     r = bw("down", NAME, "--confirm", NAME)  # no terminal: the console steps are not confirmed
     assert r.returncode == 1 and "Console: Release" in r.stderr, r.stderr
     bw.ok("up", NAME, "--profile-file", str(profile), "--workdir", str(bw.cwd), "--watch", "ckpt")
