@@ -26,7 +26,7 @@ import contextlib
 import errno
 import logging
 import os
-import shutil
+import re
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,6 +61,8 @@ Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
 Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
 
 PLACING_NAME = "placing.json"
+# What a pull writes in PARTS_DIR: part files, the placing record, and its atomic-write temp files.
+_OUR_PART = re.compile(r"[0-9a-f]{32}\.part|placing\.json|\.placing\.json\.[^/]*\.tmp")
 """In PARTS_DIR: the claims a pull is about to put in place, with its box and run."""
 PLACING_SCHEMA = "boxwarden.placing/1"
 SHOWN = 5  # paths named in a message before "and N more"
@@ -555,11 +557,14 @@ def _clear_parts(parts_fd: int) -> int:
     how many leftovers (entries other than this pull's own record) went."""
     removed = 0
     for name in os.listdir(parts_fd):
+        if not _OUR_PART.fullmatch(name):
+            logger.warning("%s/%s: not a file pull makes; left alone", PARTS_DIR, name)
+            continue
         try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
-                shutil.rmtree(name, dir_fd=parts_fd)
-            else:
-                os.unlink(name, dir_fd=parts_fd)
+            if not stat.S_ISREG(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
+                logger.warning("%s/%s: not a regular file; left alone", PARTS_DIR, name)
+                continue
+            os.unlink(name, dir_fd=parts_fd)
         except OSError as exc:
             logger.warning("%s/%s: cannot remove it: %s", PARTS_DIR, name, exc.strerror or exc)
             continue

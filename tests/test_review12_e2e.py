@@ -378,3 +378,39 @@ def test_a_meter_stop_kept_across_up_never_stands_for_the_new_sidecars_end(bw: B
     r = bw("down", NAME, "--confirm", NAME, "--meter-stopped")
     assert r.returncode == 3, r.stderr
     assert bw.json("status")["boxes"][0]["status"] != "down"
+
+
+# -- Review 16 ------------------------------------------------------------------------------------
+
+
+def test_pull_never_empties_a_parts_dir_no_pull_made(bw: Bw) -> None:
+    """Review 16, F03: a pull into a directory that was never a pulled tree emptied (rmtree) the
+    user's own subdirectory named `.bw-parts`."""
+    p = bw.up(NAME)
+    (p["watch"] / "m.pt").write_bytes(b"the checkpoint")
+    bw.wait_durable(NAME, 1)
+    target = bw.cwd / "mine"
+    (target / ".bw-parts" / "notes").mkdir(parents=True)
+    (target / ".bw-parts" / "notes" / "a.txt").write_text("mine")
+    (target / ".bw-parts" / "b.txt").write_text("mine too")
+    bw.ok("pull", NAME, "--to", str(target))
+    assert (target / "m.pt").read_bytes() == b"the checkpoint"
+    assert (target / ".bw-parts" / "notes" / "a.txt").read_text() == "mine"  # only its own part
+    assert (target / ".bw-parts" / "b.txt").read_text() == "mine too"  # files are cleared
+
+
+def test_meter_stopped_never_vouches_for_console_steps_shown_before_up_again(bw: Bw, tmp_path: Path) -> None:
+    """Review 16, F04: console steps shown by a `down` (not confirmed), then `up` again, a new
+    claim pulled and verified: `down --meter-stopped` took the old showing for this teardown's and
+    recorded the user's confirmation without asking."""
+    p, profile = manual_box(bw, tmp_path)
+    r = bw("down", NAME, "--confirm", NAME)  # no terminal: the console steps are not confirmed
+    assert r.returncode == 1 and "Console: Release" in r.stderr, r.stderr
+    bw.ok("up", NAME, "--profile-file", str(profile), "--workdir", str(bw.cwd), "--watch", "ckpt")
+    (p["watch"] / "b.bin").write_bytes(b"after up again")
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled2"))
+    bw.ok("verify", str(bw.cwd / "pulled2"))
+    r = bw("down", NAME, "--confirm", NAME, "--meter-stopped", "--pulled", str(bw.cwd / "pulled2"))
+    assert r.returncode == 1 and "meter is NOT stopped" in r.stderr, r.stderr
+    assert bw.json("status")["boxes"][0]["status"] == "meter-unproven"

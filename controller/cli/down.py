@@ -76,7 +76,8 @@ def _down(
     interactive = sys.stdin.isatty() and not as_json
     earlier = teardown.unfinished(state, box)
     # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
-    shown_before = earlier is not None and earlier.meter_stop_sent
+    # Steps shown before an `up` again vouch for nothing now: that `up` brought the box back.
+    shown_before = earlier is not None and earlier.meter_stop_sent and teardown.SIDECAR_GONE in earlier.steps
 
     async def manual_done(steps: str) -> bool:
         render.manual_steps(name, steps)

@@ -371,7 +371,7 @@ def test_leftover_parts_no_claim_needs_are_removed(bw: Bw) -> None:
     bw.ok("pull", "b1", "--to", str(pulled))
     parts = pulled / ".bw-parts"
     parts.mkdir(mode=0o700)
-    (parts / "x.part").write_bytes(b"half")
+    (parts / f"{path_key('cell-y/other.pt')}.part").write_bytes(b"half")
     (parts / f"{path_key('cell-z/gone.pt')}.part").write_bytes(b"half")
     assert bw.json("verify", str(pulled), code=3)["ok"] is False
     rep = bw.json("pull", "b1", "--to", str(pulled))
