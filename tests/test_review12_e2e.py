@@ -364,16 +364,22 @@ def test_pull_leaves_a_users_file_named_like_an_old_partial_copy_alone(bw: Bw) -
     assert (pulled / "m.pt.bw-part").read_bytes() == b"the user's own notes"
 
 
-def test_a_meter_stop_kept_across_up_never_stands_for_the_new_sidecars_end(bw: Bw, tmp_path: Path) -> None:
-    """Review 15 (a suspicion, confirmed here): console steps shown by a `down` (not confirmed),
-    then `up` again, new checkpoints, and the new sidecar crashed: `down --meter-stopped` took the
-    kept meter-stop step for the sidecar seen gone, and marked the box down without a gate."""
+def steps_shown_then_up_again(bw: Bw, tmp_path: Path) -> None:
+    """A manual-profile box whose `down` showed the console steps (not confirmed), then `up`
+    again (a new run), with one new file durable."""
     p, profile = manual_box(bw, tmp_path)
     r = bw("down", NAME, "--confirm", NAME)  # no terminal: the console steps are not confirmed
     assert r.returncode == 1 and "Console: Release" in r.stderr, r.stderr
     bw.ok("up", NAME, "--profile-file", str(profile), "--workdir", str(bw.cwd), "--watch", "ckpt")
     (p["watch"] / "b.bin").write_bytes(b"written after up again")
     bw.wait_durable(NAME, 1)
+
+
+def test_a_meter_stop_kept_across_up_never_stands_for_the_new_sidecars_end(bw: Bw, tmp_path: Path) -> None:
+    """Review 15 (a suspicion, confirmed here): console steps shown by a `down` (not confirmed),
+    then `up` again, new checkpoints, and the new sidecar crashed: `down --meter-stopped` took the
+    kept meter-stop step for the sidecar seen gone, and marked the box down without a gate."""
+    steps_shown_then_up_again(bw, tmp_path)
     sidecar_stops_answering(bw)
     r = bw("down", NAME, "--confirm", NAME, "--meter-stopped")
     assert r.returncode == 3, r.stderr
@@ -403,12 +409,7 @@ def test_meter_stopped_never_vouches_for_console_steps_shown_before_up_again(bw:
     """Review 16, F04: console steps shown by a `down` (not confirmed), then `up` again, a new
     claim pulled and verified: `down --meter-stopped` took the old showing for this teardown's and
     recorded the user's confirmation without asking."""
-    p, profile = manual_box(bw, tmp_path)
-    r = bw("down", NAME, "--confirm", NAME)  # no terminal: the console steps are not confirmed
-    assert r.returncode == 1 and "Console: Release" in r.stderr, r.stderr
-    bw.ok("up", NAME, "--profile-file", str(profile), "--workdir", str(bw.cwd), "--watch", "ckpt")
-    (p["watch"] / "b.bin").write_bytes(b"after up again")
-    bw.wait_durable(NAME, 1)
+    steps_shown_then_up_again(bw, tmp_path)
     bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled2"))
     bw.ok("verify", str(bw.cwd / "pulled2"))
     r = bw("down", NAME, "--confirm", NAME, "--meter-stopped", "--pulled", str(bw.cwd / "pulled2"))
