@@ -135,9 +135,9 @@ class State:
         """Record where the box was last pulled to, on the record as it is now: a pull that ran
         for an hour must not put back the status it read when it began (a `down` since)."""
         with self._tx() as db:
-            row = db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
-            if row is not None:
-                self._put(db, Box.from_json(json.loads(row[0])).with_(pulled_dir=pulled_dir))
+            box = self.find(name)  # read inside the transaction: no write comes between
+            if box is not None:
+                self._put(db, box.with_(pulled_dir=pulled_dir))
 
     def get(self, name: str) -> Box:
         row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()

@@ -60,6 +60,11 @@ class Unfinished:
     def meter_stop_sent(self) -> bool:
         return METER_STOP in self.steps
 
+    @property
+    def sidecar_seen_gone(self) -> bool:
+        """This teardown saw its sidecar gone after the release (`up` again drops the step)."""
+        return SIDECAR_GONE in self.steps
+
     def describe(self) -> str:
         """One line: what was done and when, e.g. `... meter stop sent 2026-12-01T12:03:00Z, not proven`."""
         said = {
@@ -265,7 +270,7 @@ async def retry_meter(
     u = unfinished(state, box) or Unfinished(box.name, box.status, {})
     ms = profile.meter_stop
     # (A meter stop kept across `up` again says nothing of the sidecar that `up` started.)
-    seen_gone = SIDECAR_GONE in u.steps or u.status == "meter-unproven"
+    seen_gone = u.sidecar_seen_gone or u.status == "meter-unproven"
     # The sidecar does not answer, which does not make it gone: only its end seen after the
     # release, or the provider's word that the whole box is gone, says so.
     result = TeardownResult(box=box.name, sidecar_gone=seen_gone)

@@ -107,10 +107,22 @@ def _scan_pid(pid: str, mapped: list[tuple[str, Path]], out: set[Path]) -> None:
         if unsure:
             raise PermissionError(f"the files of an io_uring of process {pid} could not be read")
     # A shared writable mapping writes into the file with no fd left open (mmap, then close).
-    for target in mapped_files(pid, shared_writable=True):
+    _, maps = read_maps(pid)
+    for target in mapped_files(maps, shared_writable=True):
         shown = _under(target, mapped)
         if shown is not None:
             out.add(shown)
+
+
+def _base(pid: str, task: str | None) -> str:
+    """The /proc directory of the process, or of its thread `task`."""
+    return f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+
+
+def tasks(pid: str) -> list[str]:
+    """The process's thread ids, the main thread's first. FileNotFoundError or ProcessLookupError
+    if it is gone."""
+    return sorted(os.listdir(f"/proc/{pid}/task"), key=lambda t: t != pid)
 
 
 def file_tables(pid: str) -> list[str]:
@@ -118,7 +130,7 @@ def file_tables(pid: str) -> list[str]:
     called unshare(CLONE_FILES) has a table of its own, and the main thread's is gone once it has
     exited while others run on. Compared by kcmp(2) (in doubt, a thread counts as its own table)."""
     try:
-        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=lambda t: t != pid)
+        tids = tasks(pid)
     except (FileNotFoundError, ProcessLookupError):
         return []
     tables: list[str] = []
@@ -150,9 +162,8 @@ def read_fds(pid: str, task: str | None = None, *, deleted: bool = False) -> FdT
     ProcessLookupError if it is gone."""
     # readlink relative to an open fd directory skips a /proc path walk per fd: the scan is a
     # syscall per fd, and a box runs thousands of them.
-    where = f"/proc/{pid}/fd" if task is None else f"/proc/{pid}/task/{task}/fd"
     table = FdTable([], [], [])
-    dir_fd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    dir_fd = os.open(f"{_base(pid, task)}/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for fd in os.listdir(dir_fd):
             try:
@@ -189,25 +200,27 @@ def _unlinked(fd: str, dir_fd: int, target: str) -> bool:
     return (st.st_dev, st.st_ino) != (named.st_dev, named.st_ino)
 
 
-def mapped_files(pid: str, task: str | None = None, *, shared_writable: bool = False) -> Iterator[str]:
-    """The path of each file the process maps into memory (its executable and libraries too), from
-    /proc/PID/maps; with `shared_writable` only the MAP_SHARED mappings that may write into the file
-    now. A mapping outlives the fd it was made from, and a deleted file's path ends in DELETED.
-    The kernel writes a newline in a name as \\012: such a path comes both ways. Without `task`, the
-    first thread that has memory answers (a main thread that exited has none). PermissionError if
-    its maps may not be read, FileNotFoundError or ProcessLookupError if it is gone."""
-    where = f"/proc/{pid}/maps" if task is None else f"/proc/{pid}/task/{task}/maps"
-    with open(where, "rb") as f:
-        data = f.read()
-    if not data and task is None:  # the main thread has exited: a live thread holds the memory
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/maps", "rb") as f:
-                    data = f.read()
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            if data:
-                break
+def read_maps(pid: str) -> tuple[str, bytes]:
+    """The process's memory map (/proc/PID/task/TID/maps) and the thread it was read through: the
+    main thread, or, once that has exited (it holds no memory then), the first thread that holds
+    it. PermissionError if it may not be read, FileNotFoundError or ProcessLookupError if the
+    process is gone."""
+    for tid in tasks(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/maps", "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread has ended
+        if data:
+            return tid, data
+    return pid, b""
+
+
+def mapped_files(data: bytes, *, shared_writable: bool = False) -> Iterator[str]:
+    """The path of each file a memory map `data` (read_maps) maps (the executable and libraries
+    too); with `shared_writable` only the MAP_SHARED mappings that may write into the file now. A
+    mapping outlives the fd it was made from, and a deleted file's path ends in DELETED. The
+    kernel writes a newline in a name as \\012: such a path comes both ways."""
     if shared_writable and b"w-s " not in data and b"wxs " not in data:
         return
     seen: set[bytes] = set()
@@ -230,7 +243,7 @@ def watch_marks(pid: str, fds: list[str], task: str | None = None) -> Iterator[t
     `fds` (FdTable.notify; the fdinfo lists each mark as `ino:HEX sdev:HEX`, sdev in the kernel's
     own encoding). Such a mark pins a directory as surely as an open fd, and a handle in it
     reopens the directory."""
-    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+    base = _base(pid, task)
     for fd in fds:
         try:
             with open(f"{base}/fdinfo/{fd}", "rb") as f:
@@ -257,7 +270,7 @@ def ring_files(pid: str, rings: list[str], task: str | None = None) -> tuple[lis
     closed. And whether some ring's table could not be read (its fdinfo lists the files only when
     the ring's lock is free: asked up to three times; a kernel too old to list them counts so
     too)."""
-    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+    base = _base(pid, task)
     paths: list[str] = []
     unsure = False
     for fd in rings:
@@ -308,7 +321,7 @@ def _under(target: str, mapped: list[tuple[str, Path]]) -> Path | None:
 
 
 def _opened_for_write(pid: str, fd: str, task: str | None = None) -> bool:
-    base = f"/proc/{pid}" if task is None else f"/proc/{pid}/task/{task}"
+    base = _base(pid, task)
     try:
         with open(f"{base}/fdinfo/{fd}", "rb") as f:
             info = f.read()

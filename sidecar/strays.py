@@ -31,7 +31,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
-from sidecar.openfiles import DELETED, mapped_files, read_fds, ring_files, watch_marks
+from sidecar.openfiles import (
+    DELETED,
+    file_tables,
+    mapped_files,
+    read_fds,
+    read_maps,
+    ring_files,
+    tasks,
+    watch_marks,
+)
 
 _MAX_DEPTH = 4096  # directories above a working directory that are looked at
 TOO_DEEP = "(a path longer than PATH_MAX)"
@@ -256,7 +265,7 @@ def find(
 def _tasks(pid: int) -> list[str]:
     """The process's thread ids, the main thread's first; [] if it is gone or not ours to see."""
     try:
-        return sorted(os.listdir(f"/proc/{pid}/task"), key=lambda t: t != str(pid))
+        return tasks(str(pid))
     except OSError:
         return []
 
@@ -297,8 +306,7 @@ def _works_there(pid: int, where: _Roots) -> str:
     seen_files: set[str] = set()
     for tid in _tasks(pid):  # the main thread first
         task = f"/proc/{pid}/task/{tid}"
-        main = tid == str(pid)
-        own_fs = main or not proctree.shares(pid, int(tid), proctree.KCMP_FS)
+        own_fs = tid == str(pid) or not proctree.shares(pid, int(tid), proctree.KCMP_FS)
         for kind, what in (("cwd", "works in"), ("root", "has its root in")) if own_fs else ():
             try:
                 path = os.readlink(f"{task}/{kind}")
@@ -309,9 +317,9 @@ def _works_there(pid: int, where: _Roots) -> str:
             if path == "" or (kind, path) not in seen_dirs:
                 seen_dirs.add((kind, path))
                 if where.holds_dir(f"{task}/{kind}", path, pid):
-                    return f"{what} {path or TOO_DEEP}" + ("" if tid == str(pid) else f" (thread {tid})")
-        if not main and proctree.shares(pid, int(tid), proctree.KCMP_FILES):
-            continue  # the main thread's table, looked at already: most threads share it
+                    return f"{what} {path or TOO_DEEP}{_thread(pid, tid)}"
+    for tid in file_tables(str(pid)):  # one thread per file table: most threads share one
+        task = f"/proc/{pid}/task/{tid}"
         try:
             table = read_fds(str(pid), task=tid, deleted=True)
             for fd, target in table.paths:
@@ -319,13 +327,10 @@ def _works_there(pid: int, where: _Roots) -> str:
                     continue
                 seen_files.add(target)
                 if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/fd/{fd}"):
-                    held = target or TOO_DEEP
-                    return f"holds {held} open" + ("" if tid == str(pid) else f" (thread {tid})")
+                    return f"holds {target or TOO_DEEP} open{_thread(pid, tid)}"
             for dev, ino in watch_marks(str(pid), table.notify, task=tid):
                 if where.holds_inode(dev, ino):
-                    return "watches a directory there for changes (inotify or fanotify)" + (
-                        "" if tid == str(pid) else f" (thread {tid})"
-                    )
+                    return f"watches a directory there for changes (inotify or fanotify){_thread(pid, tid)}"
             registered, unsure = ring_files(str(pid), table.rings, task=tid)
             for target in registered:
                 if _named_there(where, pid, task, target, seen_dirs, itself=f"{task}/root{target}"):
@@ -337,23 +342,24 @@ def _works_there(pid: int, where: _Roots) -> str:
     return _maps_there(pid, where, seen_dirs)
 
 
+def _thread(pid: int, tid: str) -> str:
+    """How a reason names the thread it found: nothing for the main thread."""
+    return "" if tid == str(pid) else f" (thread {tid})"
+
+
 def _maps_there(pid: int, where: _Roots, seen: set[tuple[str, str]]) -> str:
     """Why process `pid` maps a file from where the jobs work into memory ("" if it does not): its
     executable, a library, or a file it mapped and closed (a MAP_SHARED mapping writes into the
     file with no fd open). Threads share one memory map; a zombie main thread has none, so the
     first thread that has one answers."""
-    for tid in _tasks(pid):
-        try:
-            paths = list(mapped_files(str(pid), task=tid))
-        except OSError:
-            continue
-        if not paths:
-            continue
-        task = f"/proc/{pid}/task/{tid}"
-        for path in paths:
-            if _named_there(where, pid, task, path, seen):
-                return f"maps {path} into memory"
+    try:
+        tid, maps = read_maps(str(pid))
+    except OSError:  # gone, or not ours to look at
         return ""
+    task = f"/proc/{pid}/task/{tid}"
+    for path in mapped_files(maps):
+        if _named_there(where, pid, task, path, seen):
+            return f"maps {path} into memory"
     return ""
 
 

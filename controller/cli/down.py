@@ -77,7 +77,7 @@ def _down(
     earlier = teardown.unfinished(state, box)
     # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
     # Steps shown before an `up` again vouch for nothing now: that `up` brought the box back.
-    shown_before = earlier is not None and earlier.meter_stop_sent and teardown.SIDECAR_GONE in earlier.steps
+    shown_before = earlier is not None and earlier.meter_stop_sent and earlier.sidecar_seen_gone
 
     async def manual_done(steps: str) -> bool:
         render.manual_steps(name, steps)
