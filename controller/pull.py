@@ -164,9 +164,9 @@ async def _pull_locked(
 ) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
     placing = _placing(root, manifest)
-    earlier = _recorded(root, manifest)
+    earlier, retired_here = _recorded(root, manifest)
     known = {(f.path, f.bytes, f.blake3) for f in earlier.values()} | placing
-    present, report.replaced = _survey(root, claims, manifest, known)
+    present, report.replaced = _survey(root, claims, manifest, known, retired_here)
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
@@ -284,13 +284,13 @@ def name_some(paths: Sequence[str], shown: int = SHOWN) -> str:
     return f"{head} and {len(paths) - shown} more" if len(paths) > shown else head
 
 
-def _recorded(root: Path, manifest: Manifest) -> dict[str, ManifestFile]:
+def _recorded(root: Path, manifest: Manifest) -> tuple[dict[str, ManifestFile], set[Entry]]:
     """The files the tree's MANIFEST.json records (claims and retired), by path, if an earlier pull
-    of this box and run wrote it. UsageError if it is another's, or cannot be read (then what it may
-    stand for is unknown)."""
+    of this box and run wrote it, and the retired ones among them. UsageError if it is another's,
+    or cannot be read (then what it may stand for is unknown)."""
     where = root / MANIFEST_NAME
     if not os.path.lexists(where):
-        return {}
+        return {}, set()
     try:
         earlier = read_manifest(where)
     except StateError as exc:
@@ -299,7 +299,8 @@ def _recorded(root: Path, manifest: Manifest) -> dict[str, ManifestFile]:
             f"pull into an empty or new directory (--to), or move {MANIFEST_NAME} away"
         ) from exc
     _check_same_box(root, "the tree pulled from", earlier.instance, earlier.run_id, manifest)
-    return {f.path: f for f in (*earlier.files, *earlier.retired)}
+    files = {f.path: f for f in (*earlier.files, *earlier.retired)}
+    return files, {(f.path, f.bytes, f.blake3) for f in earlier.retired}
 
 
 def _still_as_pulled(root: Path, extra: list[str], earlier: dict[str, ManifestFile]) -> list[ManifestFile]:
@@ -382,16 +383,18 @@ def _check_same_box(root: Path, what: str, instance: str, run_id: str, manifest:
 
 
 def _survey(
-    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]
+    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry], retired: set[Entry]
 ) -> tuple[set[str], list[str]]:
     """The paths of claims whose bytes are here already, and those whose bytes here are older ones
     an earlier pull of this box put there (the box changed the file since: they will be replaced).
-    UsageError naming the files at claims' paths whose bytes are neither the claim's nor `known`:
-    a pull never replaces those."""
+    UsageError naming the files at claims' paths whose bytes are neither the claim's nor `known`,
+    or are `retired` ones (their file left the box, and a new file took its path since): a pull
+    never replaces those."""
     sized = {(p, n) for p, n, _ in known}
     present: set[str] = set()
     older: list[str] = []
     foreign: list[str] = []
+    kept: list[str] = []
     for claim in claims:
         full = root / claim.path
         try:
@@ -410,8 +413,19 @@ def _survey(
             present.add(claim.path)
         elif digest is None or (claim.path, st.st_size, digest) not in known:
             foreign.append(claim.path)
+        elif (claim.path, st.st_size, digest) in retired:
+            kept.append(claim.path)
         else:
             older.append(claim.path)
+    if kept:
+        raise UsageError(
+            f"refusing to pull: {len(kept)} file(s) in {root} hold checkpoints that left box "
+            f"{manifest.instance!r} after an earlier pull (deleted, renamed away or released; retired in "
+            f"{MANIFEST_NAME}), and the box has a new file at the same path since: "
+            f"{name_some(sorted(kept))}; "
+            "pull never replaces them: move them aside (the box's durable copies of them lie in its "
+            "store's .boxwarden-attic), or pull into an empty or new directory (--to)"
+        )
     if foreign:
         raise UsageError(
             f"refusing to pull: {len(foreign)} file(s) in {root} hold bytes that no pull of box "

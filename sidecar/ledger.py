@@ -44,6 +44,7 @@ CREATE TABLE IF NOT EXISTS claims(
     durable INTEGER NOT NULL DEFAULT 0, durable_at_ns INTEGER NOT NULL DEFAULT 0,
     push_error TEXT NOT NULL DEFAULT '', ended_reason TEXT NOT NULL DEFAULT '');
 CREATE UNIQUE INDEX IF NOT EXISTS claims_one_current ON claims(path) WHERE current = 1;
+CREATE INDEX IF NOT EXISTS claims_durable_by_path ON claims(path, id) WHERE durable = 1;
 CREATE INDEX IF NOT EXISTS claims_not_durable ON claims(sealed_at_ns) WHERE current = 1 AND durable = 0;
 CREATE TABLE IF NOT EXISTS jobs(id TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -105,6 +106,8 @@ class Ledger:
         for col in ("ctime_ns", "proven_at_ns"):
             if col not in cols:  # a ledger written by an older version: its claims re-hash once
                 self._db.execute(f"ALTER TABLE claims ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
+        if "kept_at" not in cols:
+            self._db.execute("ALTER TABLE claims ADD COLUMN kept_at TEXT NOT NULL DEFAULT ''")
         self.counts = Counts()
         for r in self._db.execute(
             "SELECT durable, count(*) AS n, COALESCE(SUM(size), 0) AS b FROM claims WHERE current = 1"
@@ -303,6 +306,39 @@ class Ledger:
             self._event(db, event, path=path, detail=reason)
         self._reload(path)
         return True
+
+    def retired_copy(self, path: str) -> ClaimRow | None:
+        """The claim whose durable copy lies at `path` if that claim ended because its file left the
+        box (deleted, renamed away, released) and its copy was not kept aside yet: a new copy for
+        the same path must not replace it. A claim superseded by a rewrite of its file is not one."""
+        row = self._db.execute(
+            "SELECT * FROM claims WHERE path = ? AND durable = 1 ORDER BY id DESC LIMIT 1", (path,)
+        ).fetchone()
+        if row is None or row["current"] or row["ended_reason"] == "superseded" or row["kept_at"]:
+            return None
+        return _claim(row)
+
+    def mark_kept(self, claim_id: int, where: str | None) -> None:
+        """The ended claim's durable copy now lies at `where` (None: it was not there to keep)."""
+        with self._tx() as db:
+            row = db.execute("SELECT path FROM claims WHERE id = ? AND current = 0", (claim_id,)).fetchone()
+            if row is None:
+                return
+            db.execute("UPDATE claims SET kept_at = ? WHERE id = ?", (where or "-", claim_id))
+            if where is not None:
+                self._event(
+                    db,
+                    "DURABLE_MOVED_ASIDE",
+                    path=row["path"],
+                    detail=f"a new file took the path of one that left the box; the old copy lies at {where}",
+                )
+            else:
+                self._event(
+                    db,
+                    "DURABLE_MISSING",
+                    path=row["path"],
+                    detail="the durable copy of a file that left the box was not where it was put",
+                )
 
     def claim_by_id(self, claim_id: str) -> ClaimRow | None:
         """Any claim, current or ended, by its id (given as text, as it appears in a file name)."""

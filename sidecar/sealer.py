@@ -323,6 +323,7 @@ class Sealer:
     async def _finish(self, claim: ClaimRow, staged: StagedCopy) -> bool:
         """Commit, re-read, and mark durable; True if the claim is now durable."""
         try:
+            await self._keep_retired(claim)
             moved = await self.run(self.store.commit, staged)
             if moved is not None:
                 self.ledger.add_event(
@@ -342,6 +343,17 @@ class Sealer:
             self.ledger.mark_push_failed(claim.id, "the durable copy did not hash equal on re-read")
         self.notify()
         return ok
+
+    async def _keep_retired(self, claim: ClaimRow) -> None:
+        """The copy of a file that left the box (deleted, renamed away, released) stays where it is
+        until a new file takes its path: then it moves to the attic, never under the new bytes."""
+        old = self.ledger.retired_copy(claim.path)
+        if old is None or old.blake3 == claim.blake3:
+            return  # nothing retired there, or the same bytes came back: replacing them loses nothing
+        if any(c.durable and c.blake3 == old.blake3 for c in self.ledger.current_claims()):
+            return  # renamed to a name of its own (`last.pt` → `step-100.pt`): its bytes are kept there
+        where = await self.run(self.store.keep_aside, claim.path, f"retired-{old.id}")
+        self.ledger.mark_kept(old.id, where)
 
     async def push_pending(self) -> int:
         """Push every current claim that is not durable yet, newest first. Returns how many became durable."""

@@ -415,3 +415,86 @@ def test_meter_stopped_never_vouches_for_console_steps_shown_before_up_again(bw:
     r = bw("down", NAME, "--confirm", NAME, "--meter-stopped", "--pulled", str(bw.cwd / "pulled2"))
     assert r.returncode == 1 and "meter is NOT stopped" in r.stderr, r.stderr
     assert bw.json("status")["boxes"][0]["status"] == "meter-unproven"
+
+
+V1, V2 = b"weights after 1000 steps (v1)", b"weights after 100 steps of a restarted run (v2)"
+
+
+def a_new_file_takes_the_path(bw: Bw, p: dict[str, Path], rel: str, data: bytes) -> None:
+    """The box writes a new file at `rel` (a temp outside the watched dir renamed into place), and
+    its copy is durable."""
+    tmp = bw.cwd / "new.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, p["watch"] / rel)
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(data))],
+        what="the new claim",
+    )
+
+
+def test_a_new_file_at_the_path_of_one_deleted_on_the_box_replaces_no_copy_of_it(bw: Bw) -> None:
+    """Review 16, F01: a checkpoint pulled and verified, then deleted on the box (a run restarted
+    from scratch); the new run wrote a file of the same name. The sidecar renamed the new copy over
+    the old durable one, the next pull replaced the retired bytes in the tree, and `down` passed:
+    the old checkpoint was nowhere."""
+    p, pulled = pulled_box(bw, {"best.bin": V1})
+    (p["watch"] / "best.bin").unlink()
+    wait_until(lambda: bw.artifacts(NAME)["claims"] == [], what="the claim to end")
+    assert bw.json("pull", NAME, "--to", str(pulled))["retired"] == ["best.bin"]
+    a_new_file_takes_the_path(bw, p, "best.bin", V2)
+    assert (p["durable"] / "best.bin").read_bytes() == V2
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/best.bin")
+    assert kept.read_bytes() == V1
+    r = bw("pull", NAME, "--to", str(pulled))
+    assert r.returncode == 2 and "hold checkpoints that left box" in r.stderr, r.stderr
+    assert (pulled / "best.bin").read_bytes() == V1
+    assert dry(bw)["allowed"] is False  # the new checkpoint is not home
+    os.replace(pulled / "best.bin", bw.cwd / "best-v1.bin")  # what the message asks for
+    assert bw.json("pull", NAME, "--to", str(pulled))["fetched"] == ["best.bin"]
+    assert (pulled / "best.bin").read_bytes() == V2
+
+
+def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it(bw: Bw) -> None:
+    """Review 16, F02: the release of a `down` that was then interrupted deleted a verified
+    checkpoint on the box; training went on and wrote a file of the same name, whose copy the
+    sidecar renamed over the released file's durable copy."""
+    from controller.client import SidecarClient
+    from controller.reach import target
+
+    p, pulled = pulled_box(bw, {"best.bin": V1, "other.bin": b"o"})
+    digest = json.loads((pulled / "MANIFEST.json").read_text())["digest"]
+    state = State(bw.home)
+    try:
+        box = state.get(NAME)
+    finally:
+        state.close()
+
+    async def release() -> list[str]:
+        async with SidecarClient(target(box)) as c:
+            return sorted((await c.release(digest)).deleted)
+
+    assert asyncio.run(release()) == ["best.bin", "other.bin"]
+    a_new_file_takes_the_path(bw, p, "best.bin", V2)
+    assert (p["durable"] / "best.bin").read_bytes() == V2
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/best.bin")
+    assert kept.read_bytes() == V1
+    assert (p["durable"] / "other.bin").read_bytes() == b"o"  # the copy of a file no new one replaced stays
+
+
+def test_a_file_renamed_to_a_name_of_its_own_leaves_no_second_copy_in_the_attic(bw: Bw) -> None:
+    """`last.bin` renamed to `step-1.bin`, then a new `last.bin`: the old bytes are kept under their
+    new name, so keeping the old `last.bin` copy aside as well would store every checkpoint twice."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    os.rename(p["watch"] / "last.bin", p["watch"] / "step-1.bin")
+    wait_until(
+        lambda: [c["path"] for c in bw.wait_durable(NAME, 1)["claims"]] == ["step-1.bin"], what="rename"
+    )
+    tmp = bw.cwd / "new.tmp"
+    tmp.write_bytes(V2)
+    os.replace(tmp, p["watch"] / "last.bin")
+    bw.wait_durable(NAME, 2)
+    assert (p["durable"] / "last.bin").read_bytes() == V2
+    assert (p["durable"] / "step-1.bin").read_bytes() == V1
+    assert not (p["durable"] / ".boxwarden-attic").exists()

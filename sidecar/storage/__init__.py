@@ -91,6 +91,13 @@ class DurableStore(Protocol):
         to the store's root), None if nothing was in the way."""
         ...
 
+    def keep_aside(self, rel: str, tag: str) -> str | None:
+        """Move the copy at `rel` to `<attic>/<tag>/<rel>`, so that a new copy for the same path
+        never replaces it: the copy of a file that left the box while a new file took its name.
+        Returns where it lies now (relative to the store's root), also when an earlier call moved
+        it; None if no file is at `rel` and none was moved there. Never deletes anything."""
+        ...
+
     def discard(self, staged: StagedCopy) -> None:
         """Remove the temp copy; a temp that is already gone is not an error."""
         ...

@@ -351,6 +351,66 @@ class LocalStore:
                 return None
         return None
 
+    def keep_aside(self, rel: str, tag: str) -> str | None:
+        parts = split_rel(rel)
+        aside = (ATTIC_NAME, tag, *parts)
+        where = "/".join(aside)
+        try:
+            src_fds, _ = walk_dirs(self.root, parts[:-1], create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return where if self._lexists(aside) else None
+        try:
+            try:
+                st = os.lstat(parts[-1], dir_fd=src_fds[-1])
+            except FileNotFoundError:
+                return where if self._lexists(aside) else None
+            except OSError as exc:
+                raise storage_error("looking at", self.root / rel, exc) from exc
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(
+                    f"{self.root / rel} is a symlink; nothing under the durable root may be one"
+                )
+            if not stat.S_ISREG(st.st_mode):
+                return None  # a directory: commit moves it aside whole (`_clear_the_way`)
+            if self._lexists(aside):
+                raise StorageError(
+                    f"{self.root / where} is taken already; the old copy stays at {self.root / rel}"
+                )
+            dst_fds, first_new = walk_dirs(self.root, aside[:-1], create=True)
+            try:
+                os.rename(parts[-1], aside[-1], src_dir_fd=src_fds[-1], dst_dir_fd=dst_fds[-1])
+                os.fsync(src_fds[-1])
+                lowest = len(dst_fds) - 1 if first_new is None else first_new - 1
+                for k in range(len(dst_fds) - 1, lowest - 1, -1):
+                    os.fsync(dst_fds[k])
+            except OSError as exc:
+                raise storage_error("keeping aside the old copy at", self.root / rel, exc) from exc
+            finally:
+                for dfd in dst_fds:
+                    close_fd(dfd)
+        finally:
+            for dfd in src_fds:
+                close_fd(dfd)
+        logger.warning("kept the old copy at %s aside at %s: a new file took its path", rel, where)
+        return where
+
+    def _lexists(self, parts: tuple[str, ...]) -> bool:
+        """Is anything at `parts` under the root (walked without following symlinks)?"""
+        try:
+            fds, _ = walk_dirs(self.root, parts[:-1], create=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        try:
+            os.lstat(parts[-1], dir_fd=fds[-1])
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise storage_error("looking at", self.root.joinpath(*parts), exc) from exc
+        finally:
+            for fd in fds:
+                close_fd(fd)
+
     def discard(self, staged: StagedCopy) -> None:
         if staged.tmp_path.parent != self._tmp_dir:
             raise PreconditionError(f"{staged.tmp_path} was not staged by the store at {self.url}")

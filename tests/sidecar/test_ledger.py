@@ -112,3 +112,35 @@ LedgerMirror.TestCase.settings = settings(
     max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestLedgerMirror = LedgerMirror.TestCase
+
+
+def _ident(n: int) -> FileIdentity:
+    return FileIdentity(1, n, 1, n, n)
+
+
+def test_a_retired_copy_is_the_last_durable_claim_whose_file_left_the_box(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.db")
+    try:
+        v1 = ledger.add_claim("best.pt", 1, "1" * 64, _ident(1))
+        assert ledger.retired_copy("best.pt") is None  # current: nothing retired
+        assert ledger.mark_durable(v1.id)
+        v2 = ledger.add_claim("best.pt", 1, "2" * 64, _ident(2))  # a rewrite supersedes it
+        assert ledger.retired_copy("best.pt") is None
+        assert ledger.mark_durable(v2.id)
+        assert ledger.end_claim("best.pt", "deleted or renamed away on the box", "ARTIFACT_REMOVED")
+        kept = ledger.retired_copy("best.pt")
+        assert kept is not None and kept.id == v2.id
+        v3 = ledger.add_claim("best.pt", 1, "3" * 64, _ident(3))  # a new file took the path
+        assert ledger.retired_copy("best.pt") == kept  # until it is kept aside, whatever comes next
+        ledger.mark_kept(v2.id, ".boxwarden-attic/retired-2/best.pt")
+        assert ledger.retired_copy("best.pt") is None
+        assert ledger.mark_durable(v3.id)
+        assert ledger.end_claim("best.pt", "released after verified pull", "ARTIFACT_RELEASED")
+        again = ledger.retired_copy("best.pt")
+        assert again is not None and again.id == v3.id
+        ledger.mark_kept(v3.id, None)
+        assert ledger.retired_copy("best.pt") is None
+        kinds = [e.kind for e in ledger.events_after(0)]
+        assert kinds.count("DURABLE_MOVED_ASIDE") == 1 and kinds.count("DURABLE_MISSING") == 1
+    finally:
+        ledger.close()

@@ -352,6 +352,35 @@ def test_an_old_file_where_a_directory_is_needed_moves_to_the_attic(
     assert temps(store.root) == []
 
 
+def test_keep_aside_moves_an_old_copy_under_its_tag_and_never_replaces_one(
+    store: LocalStore, tmp_path: Path
+) -> None:
+    src = write_random(tmp_path / "x", 10)
+    push(store, src, "ckpt/best.pt")
+    assert store.keep_aside("ckpt/best.pt", "retired-7") == ".boxwarden-attic/retired-7/ckpt/best.pt"
+    assert not (store.root / "ckpt" / "best.pt").exists()
+    kept = store.root / ".boxwarden-attic" / "retired-7" / "ckpt" / "best.pt"
+    assert kept.read_bytes() == src.read_bytes()
+    # A second call (a crash between the move and the ledger's record of it) finds it there.
+    assert store.keep_aside("ckpt/best.pt", "retired-7") == ".boxwarden-attic/retired-7/ckpt/best.pt"
+    assert store.keep_aside("ckpt/other.pt", "retired-8") is None  # nothing there, nothing kept
+    # A copy at the path while the tag's place is taken: refused, both stay as they are.
+    push(store, write_random(tmp_path / "y", 12), "ckpt/best.pt")
+    with pytest.raises(StorageError, match="is taken already"):
+        store.keep_aside("ckpt/best.pt", "retired-7")
+    assert kept.read_bytes() == src.read_bytes()
+    assert (store.root / "ckpt" / "best.pt").stat().st_size == 12
+
+
+def test_keep_aside_never_follows_a_symlink(store: LocalStore, tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").write_bytes(b"not ours")
+    (store.root / "best.pt").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UnsafePathError, match="symlink"):
+        store.keep_aside("best.pt", "retired-1")
+    assert (tmp_path / "elsewhere").read_bytes() == b"not ours"
+    assert not (store.root / ".boxwarden-attic").exists()
+
+
 def test_store_id_is_made_once_and_kept(store: LocalStore, tmp_path: Path) -> None:
     first = store.store_id()
     assert first == store.store_id()
