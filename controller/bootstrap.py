@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 MAX_SOCKET_PATH = 100
 START_DEADLINE_S = 30.0
+STOP_DEADLINE_S = 15.0
 
 
 def socket_path_for(box_dir: Path) -> Path:
@@ -104,6 +105,17 @@ async def up(box: Box) -> UpResult:
         )
     finally:
         log.close()
+    try:
+        return await _started(box, proc)
+    except BaseException:
+        # An `up` that fails (or is interrupted) leaves no sidecar of its own running: the box's
+        # record, and what an earlier teardown recorded, still describe it.
+        _stop_child(proc)
+        raise
+
+
+async def _started(box: Box, proc: subprocess.Popen[bytes]) -> UpResult:
+    box_dir = Path(box.box_dir)
     deadline = time.monotonic() + START_DEADLINE_S
     while time.monotonic() < deadline:
         code = proc.poll()
@@ -118,11 +130,22 @@ async def up(box: Box) -> UpResult:
                 raise VersionMismatch(f"the sidecar that answered runs {hello.version}, not {__version__}")
             return UpResult(hello=hello, started=True)
         await asyncio.sleep(0.1)
-    proc.terminate()
     tail = _tail(box_dir / "sidecar.log")
     raise SidecarUnreachable(
         f"the sidecar did not answer within {START_DEADLINE_S:.0f}s; its log says:\n{tail}"
     )
+
+
+def _stop_child(proc: subprocess.Popen[bytes]) -> None:
+    """Stop the sidecar this `up` started and wait for its end (SIGTERM, then SIGKILL)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=STOP_DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def pid_alive(pid: int) -> bool:

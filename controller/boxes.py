@@ -46,9 +46,18 @@ def check_run_id(run_id: str) -> str:
 
 
 def check_path_text(path: Path | str, what: str) -> None:
-    """Refuse control characters (a NUL, a newline, an escape) in a path the user gave."""
-    if CONTROL.search(str(path)):
-        raise UsageError(f"{what} {str(path)!r} contains a control character; give the path without it")
+    """Refuse control characters (a NUL, a newline, an escape) in a path the user gave, and names
+    that are not UTF-8 (the box's config, the evidence and every message carry paths as text)."""
+    text = str(path)
+    if CONTROL.search(text):
+        raise UsageError(f"{what} {text!r} contains a control character; give the path without it")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(
+            f"{what} {text!r} is not valid UTF-8 (a name from another encoding); rename it, or give "
+            "another path"
+        ) from None
 
 
 def check_dir_target(path: Path, what: str) -> None:
@@ -191,9 +200,11 @@ async def up(
     for w in watch:
         check_watch_spelling(w if w.is_absolute() else workdir.absolute() / w, workdir)
     workdir = workdir.resolve()
+    check_path_text(workdir, "--workdir")
     check_dir_target(workdir, "--workdir")
     watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
     for w in watch_abs:
+        check_path_text(w, "--watch")
         check_dir_target(w, "--watch")
     for path, what in [(workdir, "--workdir"), *((w, "--watch") for w in watch_abs), (ddir, "--durable")]:
         check_real_filesystem(path, what)
@@ -386,6 +397,7 @@ async def status(state: State, names: Sequence[str]) -> list[BoxStatus]:
 
 
 async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
+    check_path_text(to.resolve(), "the pull target")
     async with connect(box) as c:
         await c.hello()
         rep = await pull(
@@ -397,6 +409,7 @@ async def pull_box(state: State, box: Box, to: Path, progress: Progress | None =
 
 def pulled_dir(box: Box, override: Path | None) -> Path | None:
     if override is not None:
+        check_path_text(override.resolve(), "--pulled")
         return override.resolve()
     return Path(box.pulled_dir) if box.pulled_dir else None
 

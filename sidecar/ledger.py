@@ -337,7 +337,8 @@ class Ledger:
                     db,
                     "DURABLE_MISSING",
                     path=row["path"],
-                    detail="the durable copy of a file that left the box was not where it was put",
+                    detail="the durable copy of a file that left the box was no longer at its path (moved to "
+                    "the attic when the path changed kind, or removed from the store)",
                 )
 
     def claim_by_id(self, claim_id: str) -> ClaimRow | None:

@@ -350,8 +350,8 @@ class Sealer:
         old = self.ledger.retired_copy(claim.path)
         if old is None or old.blake3 == claim.blake3:
             return  # nothing retired there, or the same bytes came back: replacing them loses nothing
-        if any(c.durable and c.blake3 == old.blake3 for c in self.ledger.current_claims()):
-            return  # renamed to a name of its own (`last.pt` → `step-100.pt`): its bytes are kept there
+        # Even when another file holds the same bytes now (`last.pt` renamed to `step-100.pt`, or
+        # copied to `best.pt`): that file may be rewritten next, and its copy with it.
         where = await self.run(self.store.keep_aside, claim.path, f"retired-{old.id}")
         self.ledger.mark_kept(old.id, where)
 

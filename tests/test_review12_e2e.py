@@ -481,20 +481,27 @@ def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it
     assert (p["durable"] / "other.bin").read_bytes() == b"o"  # the copy of a file no new one replaced stays
 
 
-def test_a_file_renamed_to_a_name_of_its_own_leaves_no_second_copy_in_the_attic(bw: Bw) -> None:
-    """`last.bin` renamed to `step-1.bin`, then a new `last.bin`: the old bytes are kept under their
-    new name, so keeping the old `last.bin` copy aside as well would store every checkpoint twice."""
+def test_a_deleted_checkpoint_whose_bytes_another_file_holds_is_still_kept_aside(bw: Bw) -> None:
+    """Review 17, F01: `step-100.bin` copied to `best.bin`, then deleted (a restart from scratch);
+    the new run wrote `step-100.bin` and then a new `best.bin`. The old copy was not kept aside
+    because `best.bin` held the same bytes, and the rewrite of `best.bin` superseded those: the
+    old checkpoint was nowhere."""
     p = bw.up(NAME)
-    (p["watch"] / "last.bin").write_bytes(V1)
-    bw.wait_durable(NAME, 1)
-    os.rename(p["watch"] / "last.bin", p["watch"] / "step-1.bin")
+    (p["watch"] / "step-100.bin").write_bytes(V1)
+    (p["watch"] / "best.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 2)
+    (p["watch"] / "step-100.bin").unlink()
     wait_until(
-        lambda: [c["path"] for c in bw.wait_durable(NAME, 1)["claims"]] == ["step-1.bin"], what="rename"
+        lambda: [c["path"] for c in bw.wait_durable(NAME, 1)["claims"]] == ["best.bin"], what="the end"
     )
     tmp = bw.cwd / "new.tmp"
     tmp.write_bytes(V2)
-    os.replace(tmp, p["watch"] / "last.bin")
+    os.replace(tmp, p["watch"] / "step-100.bin")
     bw.wait_durable(NAME, 2)
-    assert (p["durable"] / "last.bin").read_bytes() == V2
-    assert (p["durable"] / "step-1.bin").read_bytes() == V1
-    assert not (p["durable"] / ".boxwarden-attic").exists()
+    (p["watch"] / "best.bin").write_bytes(V2)
+    wait_until(
+        lambda: {c["size"] for c in bw.wait_durable(NAME, 2)["claims"]} == {str(len(V2))}, what="new best"
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/step-100.bin")
+    assert kept.read_bytes() == V1
+    assert (p["durable"] / "best.bin").read_bytes() == V2

@@ -73,10 +73,12 @@ def _internal_error(e: Exception) -> str:
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         path = logs / f"internal-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        # backslashreplace: an argument that is not UTF-8 (a Latin-1 file name) must not make the
+        # error boundary itself fail.
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(f"boxwarden {__version__}: {' '.join(sys.argv)}\n")
             f.write("".join(traceback.format_exception(e)))
-    except OSError:
+    except (OSError, ValueError):
         return f"internal error: {what}"
     return f"internal error: {what}; details in {path}"
 

@@ -470,3 +470,62 @@ def test_clicks_own_errors_still_behave(bw: Bw) -> None:
     assert r.returncode == 2 and "No such option" in r.stderr
     assert bw("--version").returncode == 0
     assert not (bw.home / "logs").exists()
+
+
+def test_an_up_interrupted_as_its_sidecar_answers_leaves_no_sidecar_running(
+    bw: Bw, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An `up` stopped (Ctrl-C, an error) after it started a sidecar but before it recorded the
+    box left that sidecar running, sealing, while the record still held an earlier teardown's
+    steps ("sidecar seen gone"): a later `down` could continue that teardown without a gate."""
+    box = record(bw)
+    (bw.cwd / "ckpt").mkdir()
+    real_hello = bootstrap._hello
+    answered: list[int] = []
+
+    async def hello_then_ctrl_c(b: Box, timeout_s: float) -> Any:
+        answer = await real_hello(b, timeout_s=timeout_s)
+        if answer is not None:
+            answered.append(answer.pid)
+            raise KeyboardInterrupt  # the user's Ctrl-C, the moment the new sidecar answers
+        return answer
+
+    monkeypatch.setattr(bootstrap, "_hello", hello_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(bootstrap.up(box))
+    (pid,) = answered
+    assert not pid_alive(pid)
+
+
+def test_paths_that_are_not_utf8_are_refused_in_one_line(bw: Bw, tmp_path: Path) -> None:
+    """Review 17, F02: a Latin-1 directory name (legal on Linux) given to `up`, `pull --to`,
+    `verify` or `down --pulled` ended in two chained tracebacks: the box's config and the evidence
+    carry paths as text, and the error boundary itself wrote argv as strict UTF-8."""
+    odd = Path(os.fsdecode(bytes(tmp_path) + b"/caf\xe9"))
+    (odd / "ckpt").mkdir(parents=True)
+    r = bw("up", "b1", "--profile", "local", "--workdir", str(odd), "--watch", "ckpt")
+    assert r.returncode == 2 and "is not valid UTF-8" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not bw.sidecar_pids()
+    bw.up("b1")
+    for args in (
+        ("pull", "b1", "--to", str(odd / "pulled")),
+        ("verify", str(odd)),
+        ("down", "b1", "--dry-run", "--pulled", str(odd)),
+    ):
+        r = bw(*args)
+        assert r.returncode == 2 and "is not valid UTF-8" in r.stderr, (args, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+    assert not (odd / "pulled").exists()
+
+
+def test_the_error_boundary_survives_an_argument_that_is_not_utf8(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from controller.cli import _internal_error
+
+    monkeypatch.setenv("BOXWARDEN_HOME", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", ["boxwarden", "pull", "b1", "--to", os.fsdecode(b"caf\xe9")])
+    line = _internal_error(RuntimeError("boom"))
+    assert line.startswith("internal error: RuntimeError: boom; details in ")
+    (log,) = (tmp_path / "logs").iterdir()
+    assert "--to caf\\udce9" in log.read_text()
