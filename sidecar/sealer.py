@@ -254,7 +254,9 @@ class Sealer:
                 wait_ns = second.ctime_ns + second.racy_window_ns() - time.time_ns()
                 if wait_ns <= 0:
                     return second
-                await asyncio.sleep(wait_ns / 1e9)
+                # A ctime in the future (the clock was stepped back since the write) is no reason to
+                # hold a sealing slot for hours: any later write carries a ctime that differs from it.
+                await asyncio.sleep(min(wait_ns, second.racy_window_ns()) / 1e9)
                 second = identity(path)
                 if second == first:
                     return second

@@ -469,3 +469,23 @@ def test_two_names_of_one_file_are_both_released(tmp_path: Path) -> None:
         assert (sorted(resp.deleted), list(resp.refused), list(resp.kept)) == (["a.bin", "b.bin"], [], [])
         assert not (d.watch / "a.bin").exists() and not (d.watch / "b.bin").exists()
         assert (d.store / "b.bin").read_bytes() == data
+
+
+def test_a_file_written_before_the_clock_was_stepped_back_settles_without_waiting_for_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review 17 (a suspicion, confirmed here): a ctime an hour in the future (the clock was stepped
+    back after the write) held a sealing slot for that hour; 64 such files stalled every seal."""
+    import asyncio
+    import time
+    import types
+
+    from sidecar import sealer
+
+    f = tmp_path / "a.bin"
+    f.write_bytes(b"written before the clock went back an hour")
+    real = time.time_ns
+    monkeypatch.setattr(sealer.time, "time_ns", lambda: real() - 3600 * 10**9)
+    fake = types.SimpleNamespace(_settle_s=0.01)
+    ident = asyncio.run(asyncio.wait_for(sealer.Sealer._settled(fake, f), timeout=10))  # type: ignore[arg-type]
+    assert ident == sealer.identity(f)
