@@ -12,7 +12,8 @@ STAMP := $(VENV)/.setup-stamp
 setup: $(STAMP)
 
 # System tools the tests and benchmarks call (b3sum is the reference hasher; sshd and rsync serve
-# the transport tests; tmux is the detach tool a job may hand its work to). Installed with apt when
+# the transport tests; tmux is the detach tool a job may hand its work to; libfuse2 serves the
+# case-insensitive filesystem of tests/cifuse.py). Installed with apt when
 # missing and we are root; otherwise say what to run.
 sysdeps:
 	@missing=""; \
@@ -20,6 +21,7 @@ sysdeps:
 	command -v rsync >/dev/null || missing="$$missing rsync"; \
 	test -x /usr/sbin/sshd || missing="$$missing openssh-server"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
+	ldconfig -p | grep -q 'libfuse\.so\.2 ' || missing="$$missing libfuse2"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \

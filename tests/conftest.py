@@ -247,3 +247,35 @@ def children_of(parent: int, *, zombies: bool = False) -> list[int]:
         if int(ppid) == parent and (state in ("Z", "X")) == zombies:
             found.append(int(entry.name))
     return found
+
+
+@pytest.fixture
+def case_insensitive_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a real case-insensitive filesystem (tests/cifuse.py on FUSE), unmounted after."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse on this machine: a FUSE filesystem cannot be mounted")
+    backing, mnt = tmp_path / "ci-backing", tmp_path / "ci-mount"
+    backing.mkdir()
+    mnt.mkdir()
+    log = open(tmp_path / "cifuse.log", "wb")  # noqa: SIM115 - handed to the child
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "cifuse.py"), str(backing), str(mnt)],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    log.close()
+    try:
+        wait_until(lambda: os.path.ismount(mnt) or proc.poll() is not None, what="the FUSE mount")
+        assert proc.poll() is None, (tmp_path / "cifuse.log").read_text()
+        yield mnt
+    finally:
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", str(mnt)], check=False)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], check=False)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -505,3 +505,17 @@ def test_a_deleted_checkpoint_whose_bytes_another_file_holds_is_still_kept_aside
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/step-100.bin")
     assert kept.read_bytes() == V1
     assert (p["durable"] / "best.bin").read_bytes() == V2
+
+
+# -- Review 18 ------------------------------------------------------------------------------------
+
+
+def test_up_refuses_a_durable_store_that_folds_case(bw: Bw, case_insensitive_dir: Path) -> None:
+    """Review 18, F01: a durable store on a case-insensitive filesystem (SMB, exFAT, casefold)
+    let a new `step-100.bin` replace the kept copy of a deleted `Step-100.bin`: one name there."""
+    durable = case_insensitive_dir / "durable"
+    durable.mkdir()
+    r = bw(*up_args(bw, "--durable", durable.as_uri()))
+    assert r.returncode != 0, r.stdout
+    assert "takes names that differ only in case for one file" in r.stderr, r.stderr
+    assert not bw.sidecar_pids()

@@ -477,12 +477,61 @@ class LocalStore:
 
     def bind_owner(self, owner: str) -> None:
         self._refuse_strangers_folder()
+        self._refuse_folded_names()
         found = self._write_once(OWNER_NAME, owner)
         if found != owner:
             raise ConfigError(
                 f"{self.root} holds the durable copies of another run (owner {found}, this ledger is "
                 f"{owner}); they are never overwritten: give this box another --run-id (or durable URL)"
             )
+
+    def _refuse_folded_names(self) -> None:
+        """Copies are kept apart by their names: a filesystem that takes two names for one file
+        (case-insensitive: SMB/CIFS, exFAT, vfat, ext4 casefold, ZFS casesensitivity=insensitive;
+        or one that normalises Unicode) would let `Step-100.pt` replace the copy of `step-100.pt`,
+        and one copy stand for two claims. Probed with a file in the temp dir, then refused."""
+        pairs = (("Ab", "aB", "names that differ only in case"), ("\u00e9", "e\u0301", "é written two ways"))
+        try:
+            self._tmp_dir.mkdir(mode=0o700, exist_ok=True)
+            dir_fd = open_tmp_dir(self._tmp_dir)
+        except OSError as exc:
+            raise storage_error("creating temp directory", self._tmp_dir, exc) from exc
+        try:
+            for first, other, what in pairs:
+                stem = f"names-{uuid.uuid4().hex}-"
+                try:
+                    close_fd(
+                        os.open(
+                            stem + first,
+                            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                            0o600,
+                            dir_fd=dir_fd,
+                        )
+                    )
+                except OSError as exc:
+                    if exc.errno == errno.EILSEQ:  # the filesystem refuses such a name: it cannot fold it
+                        continue
+                    raise storage_error("probing names in", self._tmp_dir, exc) from exc
+                try:
+                    os.lstat(stem + other, dir_fd=dir_fd)
+                    folded = True
+                except FileNotFoundError:
+                    folded = False
+                except OSError as exc:
+                    if exc.errno != errno.EILSEQ:
+                        raise storage_error("probing names in", self._tmp_dir, exc) from exc
+                    folded = False
+                finally:
+                    remove_quietly(self._tmp_dir / (stem + first))
+                if folded:
+                    raise ConfigError(
+                        f"the durable store at {self.root} takes {what} for one file (a case-insensitive "
+                        "or normalising filesystem: SMB/CIFS, exFAT, vfat, ext4 casefold...): two "
+                        "checkpoints could share one copy there and one of them be lost; put the durable "
+                        "store on a filesystem that keeps names apart (ext4, xfs, btrfs, NFS)"
+                    )
+        finally:
+            close_fd(dir_fd)
 
     def _refuse_strangers_folder(self) -> None:
         """Copies land at their artifact paths under the root, replacing what is there: a root

@@ -381,6 +381,30 @@ def test_keep_aside_never_follows_a_symlink(store: LocalStore, tmp_path: Path) -
     assert not (store.root / ".boxwarden-attic").exists()
 
 
+def test_a_store_on_a_filesystem_that_folds_case_is_refused(case_insensitive_dir: Path) -> None:
+    """Review 18, F01: on a case-insensitive durable filesystem `Step-100.bin` was committed over the
+    kept copy of a deleted `step-100.bin` (one name there), and two current claims shared one copy."""
+    root = case_insensitive_dir / "durable"
+    root.mkdir()
+    (root / "Step-100.bin").write_bytes(b"x")
+    assert (root / "step-100.bin").read_bytes() == b"x"  # the filesystem really takes them for one
+    (root / "Step-100.bin").unlink()
+    with (
+        LocalStoreClosing(LocalStore(root)) as store,
+        pytest.raises(ConfigError, match="takes names that differ only in case for one file"),
+    ):
+        store.bind_owner("ledger-1")
+    assert temps(root) == []  # the probe leaves nothing behind
+    assert sorted(os.listdir(root)) == [TMP_DIRNAME]
+
+
+def test_a_store_that_keeps_names_apart_is_bound_and_keeps_no_probe(store: LocalStore) -> None:
+    store.bind_owner("ledger-1")
+    assert temps(store.root) == []
+    (store.root / "a.bin").write_bytes(b"x")
+    assert not (store.root / "A.bin").exists()
+
+
 def test_store_id_is_made_once_and_kept(store: LocalStore, tmp_path: Path) -> None:
     first = store.store_id()
     assert first == store.store_id()
