@@ -199,6 +199,7 @@ async def run(s: Settings) -> None:
     if restored:
         logger.warning("put back %d files an interrupted release had renamed aside", restored)
     watcher = Watcher(s.watch_dirs, loop)
+    sealer.on_root_replaced = watcher.rewatch
     watcher.start()  # before the first rescan, so nothing written in between is missed
     disk_paths = [(d, "watch") for d in s.watch_dirs] + [
         (store.path_for_usage(), "durable"),

@@ -40,6 +40,10 @@ class FileIdentity:
             dev=st.st_dev, ino=st.st_ino, size=st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns
         )
 
+    def same_file(self, other: FileIdentity | None) -> bool:
+        """The same inode (its bytes may have changed): None, or another inode, is another file."""
+        return other is not None and self.dev == other.dev and self.ino == other.ino
+
     def matches(self, st: os.stat_result) -> bool:
         """`self == FileIdentity.of(st)` without building one (a listing compares 100,000)."""
         return (

@@ -179,6 +179,12 @@ class ArtifactNamer:
             return f"{root.name}/{posix}" if self._prefixed else posix
         return None
 
+    def dir_prefix(self, path: Path) -> str | None:
+        """What the artifact path of everything under the directory `path` starts with ("" for the
+        one watched dir itself), or None if nothing under it is in a watched dir."""
+        art = self.to_artifact(path / "x")
+        return None if art is None else art[:-1]
+
     def claimable(self, path: Path) -> str | None:
         """The artifact path if a file here could be claimed (under a watched dir, not temp-named,
         not excluded, a name the controller can take); else None. Does not look at the disk."""

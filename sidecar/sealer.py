@@ -40,6 +40,11 @@ from sidecar.writescan import WriteScans
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+LEAVE_REPORT_S = 0.6
+"""How late a move out of the watched tree may be reported: watchdog holds an IN_MOVED_FROM for
+half a second to pair it with its IN_MOVED_TO. A claimed path that holds another file waits this
+long before it is sealed, so that the old file's leaving is known first (see `_settle_and_seal_now`)."""
+
 MAX_SEALING = 64
 """Seals settling or running at once. A burst of 100,000 new files must not become 100,000 tasks
 hammering the executors and the ledger together while queries wait behind them."""
@@ -75,6 +80,14 @@ class Sealer:
         self.last_walk_s = 0.0
         self._sealing = asyncio.Semaphore(MAX_SEALING)
         self._last_rescan = 0.0
+        self._rescan_again = False
+        # Directories that left the watched tree (moved away, deleted), as artifact-path prefixes,
+        # whose claims `_dirs_left` has yet to end.
+        self._left: set[str] = set()
+        # Each watched dir's (dev, ino): another directory at its path (the old one moved aside or
+        # deleted, one made again) means every claim under it may have left with the old one.
+        self._root_ids = {root: _dir_id(root) for root in namer.roots}
+        self.on_root_replaced: Callable[[Path], None] = lambda root: None
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
@@ -104,6 +117,13 @@ class Sealer:
                 # Whatever comes back under this name brings its own "done" event (dirty again).
                 self.dirty.discard(art)
                 self._spawn(f"gone:{art}", self._gone(art, change.path))
+        elif change.kind == "left":
+            prefix = self.namer.dir_prefix(change.path)
+            if prefix is not None:
+                self._left.add(prefix)
+                self._spawn("left", self._dirs_left())
+        elif "rescan" in self._tasks:
+            self._rescan_again = True  # the one under way may have walked past this change already
         else:
             self._spawn("rescan", self._rescan_soon())
 
@@ -140,6 +160,10 @@ class Sealer:
         self._tasks.pop(key, None)
         if not task.cancelled() and task.exception() is not None:
             logger.error("sealing %s failed", key, exc_info=task.exception())
+        if key == "rescan" and self._rescan_again and not task.cancelled():
+            self._rescan_again = False
+            self._spawn("rescan", self._rescan_soon())
+            return
         if key in self._again:
             self._again.discard(key)
             try:
@@ -159,10 +183,55 @@ class Sealer:
             await asyncio.sleep(gap)
         await self.rescan()
 
+    async def _dirs_left(self) -> None:
+        while self._left:
+            await asyncio.sleep(0)  # the events of one `rm -rf` or `mv` arrive together: one pass
+            prefixes = tuple(self._left)
+            self._left.clear()
+            self.end_left(prefixes, "moved away or deleted with its directory on the box")
+
+    def end_left(self, prefixes: tuple[str, ...], why: str) -> int:
+        """End every current claim under `prefixes` whose file is no longer at its path: not there,
+        or another file (another identity) there. Ended, not superseded: a new file that takes the path
+        later never replaces its durable copy (`_keep_retired`). No lock: each end is one ledger
+        transaction, and a seal that runs meanwhile finds the claim ended."""
+        ended = 0
+        for c in self.ledger.current_claims():
+            if not c.path.startswith(prefixes):
+                continue
+            try:
+                now = identity(self.namer.to_abs(c.path))
+            except SidecarError:
+                now = None  # a symlink or worse in the way: not the claimed file
+            if c.identity == now:
+                continue  # exactly the claimed file is at its path
+            if self.ledger.end_claim(c.path, why, "ARTIFACT_REMOVED"):
+                self.dirty.discard(c.path)
+                ended += 1
+        if ended:
+            self.notify()
+        return ended
+
+    def check_roots(self) -> None:
+        """A watched dir that is another directory now (moved aside or deleted, and made again):
+        the claims under it left with the old one; the new one is watched instead."""
+        for root, known in self._root_ids.items():
+            now = _dir_id(root)
+            if now == known:
+                continue
+            self._root_ids[root] = now
+            prefix = self.namer.dir_prefix(root)
+            if prefix is not None:
+                n = self.end_left((prefix,), "left with its watched directory (moved aside or deleted)")
+                logger.warning("%s is another directory now; %d claims under it ended", root, n)
+            if now is not None:
+                self.on_root_replaced(root)
+
     async def rescan(self) -> None:
         """Walk the watched dirs: seal what changed, end claims whose file is gone."""
         started = time.monotonic()
         self._last_rescan = started
+        self.check_roots()
         walked = await self.scan(self.namer.walk)
         self.last_walk_s = time.monotonic() - started
         claims = {c.path: c for c in self.ledger.current_claims()}
@@ -204,6 +273,13 @@ class Sealer:
             # A writer still holds it: its close event (or the rescan) brings it back.
             logger.debug("%s is open for writing; not sealed yet", art)
             return
+        claim = self.ledger.current(art)
+        if claim is not None and not claim.identity.same_file(ident):
+            # Another file at a claimed path: the old one was replaced in one step (a temp renamed
+            # over it: superseded), or it left (deleted, renamed away, moved with its directory) and
+            # a new one came: then its claim ends first, and its copy is kept. A leaving can be
+            # reported late; wait for it.
+            await asyncio.sleep(LEAVE_REPORT_S)
         async with self.lock(art):
             await self._seal(art, path, ident)
 
@@ -264,6 +340,7 @@ class Sealer:
         return None
 
     async def _seal(self, art: str, path: Path, ident: FileIdentity) -> None:
+        self.check_roots()
         claim = self.ledger.current(art)
         was_dirty = art in self.dirty
         self.dirty.discard(art)  # from here on, a new write event marks it again
@@ -406,11 +483,23 @@ class Sealer:
     async def _gone(self, art: str, path: Path | None) -> None:
         async with self.lock(art):
             p = path or self.namer.to_abs(art)
-            if identity(p) is not None:
-                return  # replaced by a new file in the meantime: the "done" event handles it
+            claim = self.ledger.current(art)
+            if claim is None or claim.identity == identity(p):
+                return  # nothing claimed, or exactly the claimed file is there (a stale report)
+            # The claimed file left. Another file may have taken its name since, even its inode
+            # number (its "done" event seals it): the claim ends all the same, so the new copy never
+            # replaces the old one.
             if self.ledger.end_claim(art, "deleted or renamed away on the box", "ARTIFACT_REMOVED"):
                 self.dirty.discard(art)
                 self.notify()
+
+
+def _dir_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
 
 
 def identity(path: Path) -> FileIdentity | None:

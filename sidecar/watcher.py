@@ -2,7 +2,8 @@
 
 The observer thread never touches sidecar state: each relevant event becomes a `FsChange` put on
 an asyncio queue with `loop.call_soon_threadsafe`. "done": a writer may be finished (close after
-write, rename into place); "gone": a file left (delete, rename away); "dirty": its bytes or
+write, rename into place); "gone": a file left (delete, rename away); "left": a directory left,
+with every file under it; "dirty": its bytes or
 metadata changed (write, attribute change) — so a rewrite that keeps size and timestamps is still
 noticed. A 1 GiB save gives thousands of writes: a path already reported dirty is not reported
 again until the loop has taken the report (coalesced in this thread). Our own reads give no event
@@ -12,6 +13,7 @@ again until the loop has taken the report (coalesced in this thread). Our own re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass
@@ -32,13 +34,14 @@ from watchdog.events import (
     FileSystemEventHandler,
 )
 from watchdog.observers import Observer
+from watchdog.observers.api import ObservedWatch
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class FsChange:
-    kind: Literal["done", "gone", "rescan", "dirty"]
+    kind: Literal["done", "gone", "left", "rescan", "dirty"]
     path: Path
 
 
@@ -78,9 +81,26 @@ class _Handler(FileSystemEventHandler):
             self._put(FsChange("done", _as_path(event.dest_path)))
         elif isinstance(event, FileDeletedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
-        elif isinstance(event, DirMovedEvent | DirDeletedEvent | DirCreatedEvent):
-            # A whole directory moved or vanished: cheaper and safer to rescan than to guess.
+        elif isinstance(event, DirMovedEvent | DirDeletedEvent):
+            # Every file under it left with it, now: their claims end before anything new can take
+            # their paths. Then a rescan finds where they went (a move inside the watched tree).
+            self._put(FsChange("left", _as_path(event.src_path)))
             self._put(FsChange("rescan", _as_path(event.src_path)))
+        elif isinstance(event, DirCreatedEvent):
+            self._put(FsChange("rescan", _as_path(event.src_path)))
+
+
+_WANTED = [
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileMovedEvent,
+    FileDeletedEvent,
+    FileModifiedEvent,
+    FileAttribEvent,
+    DirMovedEvent,
+    DirDeletedEvent,
+    DirCreatedEvent,
+]
 
 
 class Watcher:
@@ -89,20 +109,28 @@ class Watcher:
     def __init__(self, roots: tuple[Path, ...], loop: asyncio.AbstractEventLoop) -> None:
         self.queue: asyncio.Queue[FsChange] = asyncio.Queue()
         self._observer = Observer()
-        handler = _Handler(loop, self.queue)
-        wanted = [
-            FileClosedEvent,
-            FileCreatedEvent,
-            FileMovedEvent,
-            FileDeletedEvent,
-            FileModifiedEvent,
-            FileAttribEvent,
-            DirMovedEvent,
-            DirDeletedEvent,
-            DirCreatedEvent,
-        ]
+        self._handler = _Handler(loop, self.queue)
+        self._watches: dict[Path, ObservedWatch] = {}
         for root in roots:
-            self._observer.schedule(handler, str(root), recursive=True, event_filter=wanted)
+            self._watch(root)
+
+    def _watch(self, root: Path) -> None:
+        self._watches[root] = self._observer.schedule(
+            self._handler, str(root), recursive=True, event_filter=_WANTED
+        )
+
+    def rewatch(self, root: Path) -> None:
+        """The watched dir at `root` is another directory now (the old one was moved aside or
+        deleted, and one made again): watch the new one, and stop reporting the old one's events
+        under this name. Called on the loop."""
+        old = self._watches.pop(root, None)
+        if old is not None:
+            with contextlib.suppress(KeyError):  # its emitter stopped itself at IN_DELETE_SELF
+                self._observer.unschedule(old)
+        try:
+            self._watch(root)
+        except OSError as e:  # not there (yet): the periodic rescan reports it and tries again
+            logger.warning("cannot watch %s again: %s", root, e)
 
     def start(self) -> None:
         self._observer.start()

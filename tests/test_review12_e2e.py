@@ -519,3 +519,84 @@ def test_up_refuses_a_durable_store_that_folds_case(bw: Bw, case_insensitive_dir
     assert r.returncode != 0, r.stdout
     assert "takes names that differ only in case for one file" in r.stderr, r.stderr
     assert not bw.sidecar_pids()
+
+
+# -- Review 19 ------------------------------------------------------------------------------------
+
+
+def test_a_checkpoint_dir_moved_out_of_the_watched_tree_keeps_its_copies(bw: Bw) -> None:
+    """Review 19, F01: `ckpt/latest/` moved to a trash dir outside the tree, and a new
+    `ckpt/latest/model.bin` written: the directory event only asked for a (delayed) rescan, so
+    the new file superseded the old claim as if it were a rewrite, and its copy replaced the old."""
+    p = bw.up(NAME)
+    (p["watch"] / "latest").mkdir()
+    (p["watch"] / "latest" / "model.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    trash = bw.cwd / "trash"
+    trash.mkdir()
+    os.rename(p["watch"] / "latest", trash / "latest.old")
+    (p["watch"] / "latest").mkdir()  # at once: a new run writes the same path
+    (bw.cwd / "new.tmp").write_bytes(V2)
+    os.replace(bw.cwd / "new.tmp", p["watch"] / "latest" / "model.bin")
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        what="the new claim",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/latest/model.bin")
+    assert kept.read_bytes() == V1
+    assert (p["durable"] / "latest" / "model.bin").read_bytes() == V2
+
+
+def test_a_watched_dir_moved_aside_and_made_again_keeps_the_old_copies_and_is_watched(bw: Bw) -> None:
+    """Review 19, F02: `mv ckpt ckpt-run1 && mkdir ckpt` before a new run: nothing watched the new
+    `ckpt` (the watch followed the old one), and the periodic rescan took the new `last.bin` for a
+    rewrite of the old one, whose durable copy it replaced."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    os.rename(p["watch"], bw.cwd / "ckpt-run1")
+    p["watch"].mkdir()
+    (bw.cwd / "new.tmp").write_bytes(V2)
+    os.replace(bw.cwd / "new.tmp", p["watch"] / "last.bin")
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        timeout=60,
+        what="the new claim (found by the periodic rescan)",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
+    # The new directory is watched: a file written there now is sealed without waiting for a rescan.
+    (p["watch"] / "next.bin").write_bytes(b"next")
+    bw.wait_durable(NAME, 2, timeout=8)
+
+
+def test_a_file_deleted_and_written_again_at_once_keeps_its_copy(bw: Bw) -> None:
+    """The same leaving as above for one file: deleted, and a new one written at its name before
+    the sidecar looked (the deletion is reported, so the new file is no rewrite of the old)."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    (p["watch"] / "last.bin").unlink()
+    (p["watch"] / "last.bin").write_bytes(V2)
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        what="the new claim",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
+
+
+def test_a_file_replaced_in_one_step_supersedes_its_copy(bw: Bw) -> None:
+    """A temp renamed over `last.bin` (how trainers save atomically) is a rewrite: the path holds
+    its newest bytes, and the attic does not grow by one checkpoint per save."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    (p["watch"] / "last.bin.tmp").write_bytes(V2)
+    os.replace(p["watch"] / "last.bin.tmp", p["watch"] / "last.bin")
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        what="the new claim",
+    )
+    assert (p["durable"] / "last.bin").read_bytes() == V2
+    assert not (p["durable"] / ".boxwarden-attic").exists()
