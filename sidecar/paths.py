@@ -252,9 +252,14 @@ class ArtifactNamer:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
             try:
-                root_dev = os.lstat(root).st_dev
+                root_st = os.lstat(root)
+                root_dev = root_st.st_dev
             except OSError:
                 root_dev = -1  # scandir below says what is wrong with it
+            else:
+                if stat.S_ISLNK(root_st.st_mode):
+                    out.append(self._problem(root, _ROOT_LINK))
+                    continue
             stack = [(str(root), f"{root.name}/" if self._prefixed else "", root_dev)]
             while stack:
                 d, prefix, dev = stack.pop()
@@ -341,6 +346,12 @@ class ArtifactNamer:
 _MOUNT_INSIDE = (
     "a mount point inside a watched dir: what lies under it is hidden from every check; unmount it, "
     "or watch it on its own"
+)
+
+
+_ROOT_LINK = (
+    "the watched directory is a symlink now (moved elsewhere and linked back?): nothing behind it is "
+    "watched; put the directory itself back at this path, or bring the box up with the new path"
 )
 
 

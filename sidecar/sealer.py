@@ -40,6 +40,9 @@ from sidecar.writescan import WriteScans
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+UNREPORTED = "changed on the box with no report of how (rewritten, or replaced after it left)"
+"""Why a claim ends when its path holds other bytes that no watcher event announced."""
+
 LEAVE_REPORT_S = 0.6
 """How late a move out of the watched tree may be reported: watchdog holds an IN_MOVED_FROM for
 half a second to pair it with its IN_MOVED_TO. A claimed path that holds another file waits this
@@ -87,6 +90,9 @@ class Sealer:
         # Each watched dir's (dev, ino): another directory at its path (the old one moved aside or
         # deleted, one made again) means every claim under it may have left with the old one.
         self._root_ids = {root: _dir_id(root) for root in namer.roots}
+        # Claims whose file may have changed while the watcher's events were lost (the kernel's
+        # queue overflowed): a change found there is never taken for a rewrite.
+        self._unsure: set[str] = set()
         self.on_root_replaced: Callable[[Path], None] = lambda root: None
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -117,6 +123,11 @@ class Sealer:
                 # Whatever comes back under this name brings its own "done" event (dirty again).
                 self.dirty.discard(art)
                 self._spawn(f"gone:{art}", self._gone(art, change.path))
+        elif change.kind == "blind":
+            # Events were dropped: any claim may have been deleted and written again unseen.
+            logger.warning("filesystem events were lost; every changed claim keeps its old copy")
+            self._unsure.update(c.path for c in self.ledger.current_claims())
+            self._spawn("rescan", self._rescan_soon())
         elif change.kind == "left":
             prefix = self.namer.dir_prefix(change.path)
             if prefix is not None:
@@ -163,6 +174,9 @@ class Sealer:
         if key == "rescan" and self._rescan_again and not task.cancelled():
             self._rescan_again = False
             self._spawn("rescan", self._rescan_soon())
+            return
+        if key == "left" and self._left and not task.cancelled():
+            self._spawn("left", self._dirs_left())  # reported after its last pass, before its end
             return
         if key in self._again:
             self._again.discard(key)
@@ -243,6 +257,8 @@ class Sealer:
             claim = claims.get(art)
             if claim is None or claim.identity != FileIdentity.of(st) or art in self.dirty:
                 self.candidate(path)
+            elif art in self._unsure:
+                self._unsure.discard(art)  # found exactly as claimed since the events were lost
         for art in claims.keys() - seen:
             if art in self._tasks:
                 continue
@@ -341,10 +357,16 @@ class Sealer:
 
     async def _seal(self, art: str, path: Path, ident: FileIdentity) -> None:
         self.check_roots()
-        claim = self.ledger.current(art)
         was_dirty = art in self.dirty
         self.dirty.discard(art)  # from here on, a new write event marks it again
+        await self._seal_now(art, path, ident, was_dirty)
+        if was_dirty and art in self._again:
+            self.dirty.add(art)  # sealed again soon: what was reported still holds
+
+    async def _seal_now(self, art: str, path: Path, ident: FileIdentity, was_dirty: bool) -> None:
+        claim = self.ledger.current(art)
         if claim is not None and claim.identity == ident and not was_dirty:
+            self._unsure.discard(art)
             return  # already claimed as it is (a restart, a read-only touch)
         if claim is not None and claim.size == ident.size and claim.durable:
             # Perhaps only its metadata changed (touch, chmod) or it was rewritten with the same
@@ -359,6 +381,15 @@ class Sealer:
             if digest == claim.blake3:
                 self.ledger.refresh_identity(claim.id, ident)
                 return
+        if claim is not None and (not was_dirty or art in self._unsure):
+            # Other bytes at a claimed path with no report of a write or a rename onto it (events
+            # the kernel dropped, a directory nothing watched, a change while the sidecar was
+            # down): whether the claimed file was rewritten or left is unknown, so it left. Its
+            # copy is kept (`_keep_retired`), never replaced.
+            if self.ledger.end_claim(art, UNREPORTED, "ARTIFACT_REMOVED"):
+                self.notify()
+            claim = None
+        self._unsure.discard(art)
         staged: StagedCopy | None = None
         push_error = self._space_short(ident.size)
         try:
@@ -495,11 +526,13 @@ class Sealer:
 
 
 def _dir_id(path: Path) -> tuple[int, int] | None:
+    """The (dev, ino) of the directory at `path` itself; None if none is there (a symlink is not
+    one: nothing follows it)."""
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def identity(path: Path) -> FileIdentity | None:

@@ -3,7 +3,8 @@
 The observer thread never touches sidecar state: each relevant event becomes a `FsChange` put on
 an asyncio queue with `loop.call_soon_threadsafe`. "done": a writer may be finished (close after
 write, rename into place); "gone": a file left (delete, rename away); "left": a directory left,
-with every file under it; "dirty": its bytes or
+with every file under it; "blind": the kernel dropped events (any file may have changed unseen);
+"dirty": its bytes or
 metadata changed (write, attribute change) — so a rewrite that keeps size and timestamps is still
 noticed. A 1 GiB save gives thousands of writes: a path already reported dirty is not reported
 again until the loop has taken the report (coalesced in this thread). Our own reads give no event
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FsChange:
-    kind: Literal["done", "gone", "left", "rescan", "dirty"]
+    kind: Literal["done", "gone", "left", "rescan", "dirty", "blind"]
     path: Path
 
 
@@ -103,6 +104,23 @@ _WANTED = [
 ]
 
 
+class _Overflow(logging.Handler):
+    """watchdog handles a kernel queue overflow itself and passes no event on; it only logs it.
+    Its log record is the one signal there is: it becomes a "blind" change (events were lost)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[FsChange]) -> None:
+        super().__init__(logging.WARNING)
+        self._loop = loop
+        self._queue = queue
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in str(record.msg).lower():
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, FsChange("blind", Path("/")))
+
+
+_WATCHDOG_LOGGERS = ("watchdog.observers.inotify_c", "watchdog.observers.inotify")
+
+
 class Watcher:
     """Recursive watches on every watched directory; `queue` receives the changes."""
 
@@ -110,6 +128,7 @@ class Watcher:
         self.queue: asyncio.Queue[FsChange] = asyncio.Queue()
         self._observer = Observer()
         self._handler = _Handler(loop, self.queue)
+        self._overflow = _Overflow(loop, self.queue)
         self._watches: dict[Path, ObservedWatch] = {}
         for root in roots:
             self._watch(root)
@@ -133,10 +152,14 @@ class Watcher:
             logger.warning("cannot watch %s again: %s", root, e)
 
     def start(self) -> None:
+        for name in _WATCHDOG_LOGGERS:
+            logging.getLogger(name).addHandler(self._overflow)
         self._observer.start()
 
     def stop(self) -> None:
         self._observer.stop()
+        for name in _WATCHDOG_LOGGERS:
+            logging.getLogger(name).removeHandler(self._overflow)
 
     def join(self, timeout: float = 5.0) -> None:
         self._observer.join(timeout)

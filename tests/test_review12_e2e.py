@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -600,3 +601,76 @@ def test_a_file_replaced_in_one_step_supersedes_its_copy(bw: Bw) -> None:
     )
     assert (p["durable"] / "last.bin").read_bytes() == V2
     assert not (p["durable"] / ".boxwarden-attic").exists()
+
+
+# -- Review 20 ------------------------------------------------------------------------------------
+
+BURST = """
+import os, sys
+d = sys.argv[1]
+def burst(a, b):
+    for i in range(a, b):
+        os.close(os.open(f"{d}/cache/c{i:06d}", os.O_CREAT | os.O_WRONLY, 0o644))
+burst(0, 40000)
+os.unlink(f"{d}/last.bin")
+with open(f"{d}/last.bin", "wb") as f:
+    f.write(sys.argv[2].encode())
+burst(40000, 80000)
+"""
+
+
+def test_a_rotation_inside_a_burst_the_kernel_dropped_keeps_the_old_copy(bw: Bw) -> None:
+    """Review 20, F01: 80,000 files written to an excluded cache overflowed the kernel's inotify
+    queue (16,384 events), and the deletion of `last.bin` in its middle was never reported: the
+    rescan took the new `last.bin` for a rewrite and its copy replaced the old one."""
+    (bw.cwd / "ckpt" / "cache").mkdir(parents=True)
+    p = bw.up(NAME, "--exclude", "cache/*")
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1, pending_ok=True)
+    subprocess.run([sys.executable, "-c", BURST, str(p["watch"]), V2.decode()], check=True, timeout=120)
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1, pending_ok=True)["claims"]] == [str(len(V2))],
+        timeout=90,
+        what="the new claim",
+    )
+    assert "events were lost" in (p["box_dir"] / "sidecar.log").read_text()  # the burst did overflow
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
+
+
+def test_a_watched_dir_moved_elsewhere_and_linked_back_holds_the_gate(bw: Bw) -> None:
+    """Review 20, F02: `mv ckpt /mnt/big/ckpt && ln -s /mnt/big/ckpt ckpt` (the classic fix for a
+    full disk): the sidecar re-watched the link, not the directory, so nothing reported a file's
+    leaving there, and the dry run said ALLOWED."""
+    p, _ = pulled_box(bw, {"last.bin": V1})
+    big = bw.cwd / "big"
+    big.mkdir()
+    os.rename(p["watch"], big / "ckpt")
+    os.symlink(big / "ckpt", p["watch"])
+
+    def refused() -> list[dict[str, Any]]:
+        doc = dry(bw)
+        return [] if doc["allowed"] else doc["reasons"]
+
+    reasons = wait_until(refused, what="the gate to refuse")
+    assert any("is a symlink now" in r["detail"] for r in reasons), reasons
+
+
+def test_a_file_changed_while_the_sidecar_was_down_keeps_its_old_copy(bw: Bw) -> None:
+    """Nothing reported how `last.bin` changed while no sidecar ran (deleted and written again, or
+    rewritten): taken for a rewrite, its new copy replaced the old one; now the old one is kept."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    (p["watch"] / "last.bin").unlink()
+    (p["watch"] / "last.bin").write_bytes(V2)
+    bw.ok(*up_args(bw))
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        what="the new claim",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
