@@ -201,6 +201,15 @@ async def run(s: Settings) -> None:
     watcher = Watcher(s.watch_dirs, loop)
     sealer.on_root_replaced = watcher.rewatch
     watcher.start()  # before the first rescan, so nothing written in between is missed
+    # Nothing reported what happened while no sidecar ran: a claim whose path no longer holds
+    # exactly its file ends now, before any event is taken (its copy is kept, never superseded).
+    ended = sealer.end_left(
+        ("",), "changed or gone on the box while the sidecar was not running", same_inode_unsure=True
+    )
+    if ended:
+        logger.warning(
+            "%d claims changed or went while the sidecar was not running; their copies are kept", ended
+        )
     disk_paths = [(d, "watch") for d in s.watch_dirs] + [
         (store.path_for_usage(), "durable"),
         (s.state_dir, "state"),

@@ -74,7 +74,13 @@ class Sealer:
         self.writes = WriteScans(namer.roots, scan_executor)
         self._settle_s = settle_s
         self.notify = notify
-        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # seals, by artifact path
+        # The sealer's own chores ("rescan", "left", "gone:<path>"), apart from the seals: a file
+        # named `rescan` or `gone:last.pt` must never stand for one, nor be dropped for one.
+        self._chores: dict[str, asyncio.Task[None]] = {}
+        # Claimed paths onto which a file was reported created or renamed since their claim: a
+        # file replaced in one reported step. Only then may another inode there supersede the claim.
+        self._arrived: set[str] = set()
         self._again: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         # Claimed artifacts with a write event since their claim: re-hashed at their next seal even
@@ -107,36 +113,39 @@ class Sealer:
     # -- inputs -----------------------------------------------------------------------------------
 
     def on_change(self, change: FsChange) -> None:
-        if change.kind in ("done", "dirty"):
+        if change.kind in ("done", "dirty", "arrived"):
             art = self.namer.to_artifact(change.path)
             # A write to a CLAIMED file forces a re-hash whatever its identity says; a file with no
             # claim is hashed at its first seal anyway (and its identity is checked around the read).
             if art is not None and self.ledger.current(art) is not None:
                 self.dirty.add(art)
+                if change.kind == "arrived":
+                    self._arrived.add(art)
             if art is not None and art in self._tasks:
                 self._again.add(art)
-            if change.kind == "done":
+            if change.kind != "dirty":
                 self.candidate(change.path)
         elif change.kind == "gone":
             art = self.namer.to_artifact(change.path)
             if art is not None:
                 # Whatever comes back under this name brings its own "done" event (dirty again).
                 self.dirty.discard(art)
-                self._spawn(f"gone:{art}", self._gone(art, change.path))
+                self._arrived.discard(art)
+                self._chore(f"gone:{art}", self._gone(art, change.path))
         elif change.kind == "blind":
             # Events were dropped: any claim may have been deleted and written again unseen.
             logger.warning("filesystem events were lost; every changed claim keeps its old copy")
             self._unsure.update(c.path for c in self.ledger.current_claims())
-            self._spawn("rescan", self._rescan_soon())
+            self._chore("rescan", self._rescan_soon())
         elif change.kind == "left":
             prefix = self.namer.dir_prefix(change.path)
             if prefix is not None:
                 self._left.add(prefix)
-                self._spawn("left", self._dirs_left())
-        elif "rescan" in self._tasks:
+                self._chore("left", self._dirs_left())
+        elif "rescan" in self._chores:
             self._rescan_again = True  # the one under way may have walked past this change already
         else:
-            self._spawn("rescan", self._rescan_soon())
+            self._chore("rescan", self._rescan_soon())
 
     def candidate(self, path: Path) -> None:
         """A file may be finished: settle it and seal it (debounced per path)."""
@@ -160,24 +169,29 @@ class Sealer:
             logger.warning("cannot re-seal %s: %s", art, e)
 
     def _spawn(self, key: str, coro: object) -> None:
-        if key in self._tasks:
-            coro.close()  # type: ignore[attr-defined]
+        """A seal of the artifact `key`, unless one is settling or running (then it is dropped)."""
+        _start(self._tasks, key, coro, functools.partial(self._done, key))
+
+    def _chore(self, key: str, coro: object) -> None:
+        """One of the sealer's own chores, unless the same one is under way."""
+        _start(self._chores, key, coro, functools.partial(self._chore_done, key))
+
+    def _chore_done(self, key: str, task: asyncio.Task[None]) -> None:
+        self._chores.pop(key, None)
+        if task.cancelled():
             return
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
-        self._tasks[key] = task
-        task.add_done_callback(functools.partial(self._done, key))
+        if task.exception() is not None:
+            logger.error("%s failed", key, exc_info=task.exception())
+        if key == "rescan" and self._rescan_again:
+            self._rescan_again = False
+            self._chore("rescan", self._rescan_soon())
+        elif key == "left" and self._left:
+            self._chore("left", self._dirs_left())  # reported after its last pass, before its end
 
     def _done(self, key: str, task: asyncio.Task[None]) -> None:
         self._tasks.pop(key, None)
         if not task.cancelled() and task.exception() is not None:
             logger.error("sealing %s failed", key, exc_info=task.exception())
-        if key == "rescan" and self._rescan_again and not task.cancelled():
-            self._rescan_again = False
-            self._spawn("rescan", self._rescan_soon())
-            return
-        if key == "left" and self._left and not task.cancelled():
-            self._spawn("left", self._dirs_left())  # reported after its last pass, before its end
-            return
         if key in self._again:
             self._again.discard(key)
             try:
@@ -204,11 +218,14 @@ class Sealer:
             self._left.clear()
             self.end_left(prefixes, "moved away or deleted with its directory on the box")
 
-    def end_left(self, prefixes: tuple[str, ...], why: str) -> int:
+    def end_left(self, prefixes: tuple[str, ...], why: str, *, same_inode_unsure: bool = False) -> int:
         """End every current claim under `prefixes` whose file is no longer at its path: not there,
         or another file (another identity) there. Ended, not superseded: a new file that takes the path
         later never replaces its durable copy (`_keep_retired`). No lock: each end is one ledger
-        transaction, and a seal that runs meanwhile finds the claim ended."""
+        transaction, and a seal that runs meanwhile finds the claim ended.
+
+        `same_inode_unsure`: a claim whose inode is still there, changed, is only marked unsure
+        (its seal keeps it if the bytes are the same, and otherwise ends it as left)."""
         ended = 0
         for c in self.ledger.current_claims():
             if not c.path.startswith(prefixes):
@@ -219,6 +236,9 @@ class Sealer:
                 now = None  # a symlink or worse in the way: not the claimed file
             if c.identity == now:
                 continue  # exactly the claimed file is at its path
+            if same_inode_unsure and c.identity.same_file(now):
+                self._unsure.add(c.path)
+                continue
             if self.ledger.end_claim(c.path, why, "ARTIFACT_REMOVED"):
                 self.dirty.discard(c.path)
                 ended += 1
@@ -268,7 +288,7 @@ class Sealer:
                 logger.warning("rescan: cannot check %s: %s", art, e)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._chores.values()]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -380,12 +400,15 @@ class Sealer:
                 return
             if digest == claim.blake3:
                 self.ledger.refresh_identity(claim.id, ident)
+                self._unsure.discard(art)  # the claimed bytes, whatever happened unseen
                 return
-        if claim is not None and (not was_dirty or art in self._unsure):
-            # Other bytes at a claimed path with no report of a write or a rename onto it (events
-            # the kernel dropped, a directory nothing watched, a change while the sidecar was
-            # down): whether the claimed file was rewritten or left is unknown, so it left. Its
-            # copy is kept (`_keep_retired`), never replaced.
+        arrived = art in self._arrived
+        self._arrived.discard(art)
+        if claim is not None and not _rewritten(claim, ident, was_dirty, arrived, art in self._unsure):
+            # Other bytes at a claimed path that no report shows to be a rewrite of the claimed
+            # file (events the kernel dropped, a directory nothing watched, a change while the
+            # sidecar was down): whether it was rewritten or left is unknown, so it left. Its copy
+            # is kept (`_keep_retired`), never replaced.
             if self.ledger.end_claim(art, UNREPORTED, "ARTIFACT_REMOVED"):
                 self.notify()
             claim = None
@@ -523,6 +546,26 @@ class Sealer:
             if self.ledger.end_claim(art, "deleted or renamed away on the box", "ARTIFACT_REMOVED"):
                 self.dirty.discard(art)
                 self.notify()
+
+
+def _start(
+    table: dict[str, asyncio.Task[None]], key: str, coro: object, done: Callable[[asyncio.Task[None]], None]
+) -> None:
+    if key in table:
+        coro.close()  # type: ignore[attr-defined]
+        return
+    task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)  # type: ignore[arg-type]
+    table[key] = task
+    task.add_done_callback(done)
+
+
+def _rewritten(claim: ClaimRow, ident: FileIdentity, was_dirty: bool, arrived: bool, unsure: bool) -> bool:
+    """Did the watcher report the change from `claim` to the file now at its path as a rewrite?
+    The claimed inode written (in place), or another file created or renamed onto the path since
+    the claim, with no events lost meanwhile. Anything else may be the claimed file leaving."""
+    if unsure:
+        return False
+    return arrived if not claim.identity.same_file(ident) else was_dirty
 
 
 def _dir_id(path: Path) -> tuple[int, int] | None:

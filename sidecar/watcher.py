@@ -2,10 +2,10 @@
 
 The observer thread never touches sidecar state: each relevant event becomes a `FsChange` put on
 an asyncio queue with `loop.call_soon_threadsafe`. "done": a writer may be finished (close after
-write, rename into place); "gone": a file left (delete, rename away); "left": a directory left,
-with every file under it; "blind": the kernel dropped events (any file may have changed unseen);
-"dirty": its bytes or
-metadata changed (write, attribute change) — so a rewrite that keeps size and timestamps is still
+write); "arrived": a file was created or renamed onto a path (a rename over a file replaces it in
+one step); "gone": a file left (delete, rename away); "left": a directory left, with every file
+under it; "blind": the kernel dropped events (any file may have changed unseen); "dirty": its bytes
+or metadata changed (write, attribute change) — so a rewrite that keeps size and timestamps is still
 noticed. A 1 GiB save gives thousands of writes: a path already reported dirty is not reported
 again until the loop has taken the report (coalesced in this thread). Our own reads give no event
 (the filter leaves out open and close-without-write).
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class FsChange:
-    kind: Literal["done", "gone", "left", "rescan", "dirty", "blind"]
+    kind: Literal["done", "arrived", "gone", "left", "rescan", "dirty", "blind"]
     path: Path
 
 
@@ -73,13 +73,15 @@ class _Handler(FileSystemEventHandler):
                     return
                 self._dirty_sent.add(path)
             self._loop.call_soon_threadsafe(self._deliver_dirty, FsChange("dirty", path))
-        elif isinstance(event, FileClosedEvent | FileCreatedEvent):
-            # Created: a file renamed or hard-linked in from outside the watched tree arrives with
-            # no close event. Settling (and the open-for-write check) keeps early seals out.
+        elif isinstance(event, FileClosedEvent):
             self._put(FsChange("done", _as_path(event.src_path)))
+        elif isinstance(event, FileCreatedEvent):
+            # Created: a new file, or one renamed or hard-linked in from outside the watched tree
+            # (no close event). Settling (and the open-for-write check) keeps early seals out.
+            self._put(FsChange("arrived", _as_path(event.src_path)))
         elif isinstance(event, FileMovedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
-            self._put(FsChange("done", _as_path(event.dest_path)))
+            self._put(FsChange("arrived", _as_path(event.dest_path)))
         elif isinstance(event, FileDeletedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
         elif isinstance(event, DirMovedEvent | DirDeletedEvent):
@@ -153,7 +155,11 @@ class Watcher:
 
     def start(self) -> None:
         for name in _WATCHDOG_LOGGERS:
-            logging.getLogger(name).addHandler(self._overflow)
+            watchdog_log = logging.getLogger(name)
+            watchdog_log.addHandler(self._overflow)
+            # Its warnings are the overflow signal: a quieter --log-level must not silence them.
+            if watchdog_log.getEffectiveLevel() > logging.WARNING:
+                watchdog_log.setLevel(logging.WARNING)
         self._observer.start()
 
     def stop(self) -> None:

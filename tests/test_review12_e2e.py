@@ -674,3 +674,85 @@ def test_a_file_changed_while_the_sidecar_was_down_keeps_its_old_copy(bw: Bw) ->
     )
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
     assert kept.read_bytes() == V1
+
+
+# -- Review 21 ------------------------------------------------------------------------------------
+
+SLOW_WRITER = """
+import sys
+with open(sys.argv[1], "wb") as f:
+    f.write(sys.argv[2].encode()[:8])
+    f.flush()
+    sys.stdin.readline()  # until the test says so: the sidecar is up again by then
+    f.write(sys.argv[2].encode()[8:])
+"""
+
+
+def test_a_file_deleted_while_the_sidecar_was_down_and_written_after_keeps_the_old_copy(bw: Bw) -> None:
+    """Review 21, F01: the sidecar down, `last.bin` deleted and its next save begun; the save went on
+    after `up`. Its write events marked the path "written", and the new inode was taken for a
+    rewrite of the claimed one: the old copy was replaced."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    (p["watch"] / "last.bin").unlink()
+    writer = subprocess.Popen(
+        [sys.executable, "-c", SLOW_WRITER, str(p["watch"] / "last.bin"), V2.decode()],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: (p["watch"] / "last.bin").exists(), what="the save to begin")
+        bw.ok(*up_args(bw))
+        assert writer.stdin is not None
+        writer.stdin.write(b"go\n")
+        writer.stdin.close()
+        assert writer.wait(timeout=30) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
+        what="the new claim",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
+
+
+ODD_NAMED_WRITER = """
+import sys, time
+for i in range(60):
+    with open(sys.argv[1], "wb") as f:
+        f.write(b"step %d" % i)
+    time.sleep(0.1)
+"""
+
+
+def test_a_file_named_like_the_sealers_own_chores_hides_no_deletion(bw: Bw) -> None:
+    """Review 21, F02: the sealer kept its own chores and the seals in one table, keyed by text: while
+    a file named `gone:last.bin` was being sealed, the report that `last.bin` was deleted was
+    dropped, and the next `last.bin` replaced the old copy."""
+    p = bw.up(NAME)
+    (p["watch"] / "last.bin").write_bytes(V1)
+    bw.wait_durable(NAME, 1)
+    writer = subprocess.Popen([sys.executable, "-c", ODD_NAMED_WRITER, str(p["watch"] / "gone:last.bin")])
+    try:
+        wait_until(lambda: (p["watch"] / "gone:last.bin").exists(), what="the odd-named writer")
+        (p["watch"] / "last.bin").unlink()
+        (p["watch"] / "last.bin").write_bytes(V2)
+        assert writer.wait(timeout=60) == 0
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
+    wait_until(
+        lambda: (
+            {c["path"]: c["size"] for c in bw.wait_durable(NAME, 2)["claims"]}.get("last.bin") == str(len(V2))
+        ),
+        what="the new claim",
+    )
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
+    assert kept.read_bytes() == V1
