@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -433,6 +435,32 @@ def a_new_file_takes_the_path(bw: Bw, p: dict[str, Path], rel: str, data: bytes)
     )
 
 
+def claimed_with(bw: Bw, data: bytes) -> None:
+    """Until box NAME's one claim is durable and holds `data`'s size."""
+    wait_until(
+        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(data))],
+        what="the new claim",
+    )
+
+
+def sidecar_stops(bw: Bw) -> None:
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+
+
+@contextlib.contextmanager
+def running(argv: list[str], **kw: Any) -> Iterator[subprocess.Popen[bytes]]:
+    """A child process for the block; killed (and reaped) if it is still running at its end."""
+    proc = subprocess.Popen(argv, **kw)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_a_new_file_at_the_path_of_one_deleted_on_the_box_replaces_no_copy_of_it(bw: Bw) -> None:
     """Review 16, F01: a checkpoint pulled and verified, then deleted on the box (a run restarted
     from scratch); the new run wrote a file of the same name. The sidecar renamed the new copy over
@@ -539,10 +567,7 @@ def test_a_checkpoint_dir_moved_out_of_the_watched_tree_keeps_its_copies(bw: Bw)
     (p["watch"] / "latest").mkdir()  # at once: a new run writes the same path
     (bw.cwd / "new.tmp").write_bytes(V2)
     os.replace(bw.cwd / "new.tmp", p["watch"] / "latest" / "model.bin")
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        what="the new claim",
-    )
+    claimed_with(bw, V2)
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/latest/model.bin")
     assert kept.read_bytes() == V1
     assert (p["durable"] / "latest" / "model.bin").read_bytes() == V2
@@ -579,10 +604,7 @@ def test_a_file_deleted_and_written_again_at_once_keeps_its_copy(bw: Bw) -> None
     bw.wait_durable(NAME, 1)
     (p["watch"] / "last.bin").unlink()
     (p["watch"] / "last.bin").write_bytes(V2)
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        what="the new claim",
-    )
+    claimed_with(bw, V2)
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
     assert kept.read_bytes() == V1
 
@@ -595,10 +617,7 @@ def test_a_file_replaced_in_one_step_supersedes_its_copy(bw: Bw) -> None:
     bw.wait_durable(NAME, 1)
     (p["watch"] / "last.bin.tmp").write_bytes(V2)
     os.replace(p["watch"] / "last.bin.tmp", p["watch"] / "last.bin")
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        what="the new claim",
-    )
+    claimed_with(bw, V2)
     assert (p["durable"] / "last.bin").read_bytes() == V2
     assert not (p["durable"] / ".boxwarden-attic").exists()
 
@@ -662,16 +681,11 @@ def test_a_file_changed_while_the_sidecar_was_down_keeps_its_old_copy(bw: Bw) ->
     p = bw.up(NAME)
     (p["watch"] / "last.bin").write_bytes(V1)
     bw.wait_durable(NAME, 1)
-    (pid,) = bw.sidecar_pids()
-    os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    sidecar_stops(bw)
     (p["watch"] / "last.bin").unlink()
     (p["watch"] / "last.bin").write_bytes(V2)
     bw.ok(*up_args(bw))
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        what="the new claim",
-    )
+    claimed_with(bw, V2)
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
     assert kept.read_bytes() == V1
 
@@ -695,29 +709,17 @@ def test_a_file_deleted_while_the_sidecar_was_down_and_written_after_keeps_the_o
     p = bw.up(NAME)
     (p["watch"] / "last.bin").write_bytes(V1)
     bw.wait_durable(NAME, 1)
-    (pid,) = bw.sidecar_pids()
-    os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    sidecar_stops(bw)
     (p["watch"] / "last.bin").unlink()
-    writer = subprocess.Popen(
-        [sys.executable, "-c", SLOW_WRITER, str(p["watch"] / "last.bin"), V2.decode()],
-        stdin=subprocess.PIPE,
-    )
-    try:
+    argv = [sys.executable, "-c", SLOW_WRITER, str(p["watch"] / "last.bin"), V2.decode()]
+    with running(argv, stdin=subprocess.PIPE) as writer:
         wait_until(lambda: (p["watch"] / "last.bin").exists(), what="the save to begin")
         bw.ok(*up_args(bw))
         assert writer.stdin is not None
         writer.stdin.write(b"go\n")
         writer.stdin.close()
         assert writer.wait(timeout=30) == 0
-    finally:
-        if writer.poll() is None:
-            writer.kill()
-            writer.wait()
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        what="the new claim",
-    )
+    claimed_with(bw, V2)
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
     assert kept.read_bytes() == V1
 
@@ -738,16 +740,11 @@ def test_a_file_named_like_the_sealers_own_chores_hides_no_deletion(bw: Bw) -> N
     p = bw.up(NAME)
     (p["watch"] / "last.bin").write_bytes(V1)
     bw.wait_durable(NAME, 1)
-    writer = subprocess.Popen([sys.executable, "-c", ODD_NAMED_WRITER, str(p["watch"] / "gone:last.bin")])
-    try:
+    with running([sys.executable, "-c", ODD_NAMED_WRITER, str(p["watch"] / "gone:last.bin")]) as writer:
         wait_until(lambda: (p["watch"] / "gone:last.bin").exists(), what="the odd-named writer")
         (p["watch"] / "last.bin").unlink()
         (p["watch"] / "last.bin").write_bytes(V2)
         assert writer.wait(timeout=60) == 0
-    finally:
-        if writer.poll() is None:
-            writer.kill()
-            writer.wait()
     wait_until(
         lambda: (
             {c["path"]: c["size"] for c in bw.wait_durable(NAME, 2)["claims"]}.get("last.bin") == str(len(V2))
