@@ -18,7 +18,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
-from controller.manifest import PARTS_DIR, RESERVED_NAMES
+from controller.manifest import PARTS_DIR, REPLACED_DIR, RESERVED_NAMES
 from controller.overlap import pseudo_filesystem, same_dir_above
 from controller.pull import Progress, PullReport, pull
 from controller.reach import connect
@@ -277,7 +277,7 @@ DURABLE_STORE_NAMES = frozenset(
     {".boxwarden-tmp", ".boxwarden-store-id", ".boxwarden-owner", ".boxwarden-attic"}
 )
 """The durable store's own names at the top of a run's corner (the sidecar's, in its RESERVED_TOP)."""
-RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR} | DURABLE_STORE_NAMES
+RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR, REPLACED_DIR} | DURABLE_STORE_NAMES
 """With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's
 or the durable store's own (every file below would be unclaimable for good)."""
 

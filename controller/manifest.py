@@ -37,6 +37,9 @@ MARKER_SCHEMA = "boxwarden.verified/1"
 HASH_NAME = "blake3"
 
 PARTS_DIR = ".bw-parts"
+REPLACED_DIR = ".bw-replaced"
+"""Where pull moves bytes an earlier pull put at a path before newer ones take it: kept, never
+destroyed (the box may hold them nowhere any more). Not part of the tree `verify` checks."""
 """The directory at the tree's root where a pull keeps its partial files (removed when it ends)."""
 
 # Names at the tree's root that belong to boxwarden, so no artifact may use them.
@@ -84,7 +87,7 @@ def path_problem(path: str) -> str | None:
         if part in (".", ".."):
             # `..` escapes the tree; `.` would let two spellings name one file.
             return f"{part!r} path component"
-    if path in RESERVED_NAMES or path.split("/", 1)[0] == PARTS_DIR:
+    if path in RESERVED_NAMES or path.split("/", 1)[0] in (PARTS_DIR, REPLACED_DIR):
         return "reserved name"
     return None
 

@@ -15,9 +15,11 @@ A pull never replaces bytes it cannot account for. Before anything is written it
 whose MANIFEST.json (or interrupted pull's record) belongs to another box or run, and a file at a
 claim's path whose bytes are neither the claim's nor ones an earlier pull of this box and run put
 there (recorded in its MANIFEST.json, or in `PARTS_DIR/placing.json`, written before a pull puts its
-first file in place and removed once MANIFEST.json records the tree). Nothing local is ever deleted
-except what lies in PARTS_DIR once every claim is in place: a file the box no longer claims stays
-and `verify` reports it EXTRA.
+first file in place and removed once MANIFEST.json records the tree). Bytes an earlier pull put at
+a path the box holds other bytes at now move to `REPLACED_DIR/<path>.<blake3>` before the new ones
+take the path (the box may hold the old ones nowhere any more). Nothing local is ever deleted except
+what lies in PARTS_DIR once every claim is in place: a file the box no longer claims stays and
+`verify` reports it EXTRA (or checks it, retired).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from controller.errors import SidecarUnreachable, StateError, TransferError, Usa
 from controller.manifest import (
     MANIFEST_NAME,
     PARTS_DIR,
+    REPLACED_DIR,
     RESERVED_NAMES,
     Manifest,
     ManifestFile,
@@ -66,6 +69,7 @@ _OUR_PART = re.compile(r"[0-9a-f]{32}\.part|placing\.json|\.placing\.json\.[^/]*
 """In PARTS_DIR: the claims a pull is about to put in place, with its box and run."""
 PLACING_SCHEMA = "boxwarden.placing/1"
 SHOWN = 5  # paths named in a message before "and N more"
+NAME_MAX = 255
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -164,9 +168,10 @@ async def _pull_locked(
 ) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
     placing = _placing(root, manifest)
-    earlier, retired_here = _recorded(root, manifest)
+    earlier = _recorded(root, manifest)
     known = {(f.path, f.bytes, f.blake3) for f in earlier.values()} | placing
-    present, report.replaced = _survey(root, claims, manifest, known, retired_here)
+    present, older = _survey(root, claims, manifest, known)
+    report.replaced = sorted(older)
     parts_fd = _open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
@@ -183,6 +188,8 @@ async def _pull_locked(
                         progress(claim.path, claim.size, claim.size)
                     continue
                 report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
+                if claim.path in older:
+                    _keep_replaced(root, root_fd, claim.path, parent_fd, older[claim.path])
                 try:
                     os.replace(_part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
                     os.fsync(parent_fd)
@@ -284,13 +291,13 @@ def name_some(paths: Sequence[str], shown: int = SHOWN) -> str:
     return f"{head} and {len(paths) - shown} more" if len(paths) > shown else head
 
 
-def _recorded(root: Path, manifest: Manifest) -> tuple[dict[str, ManifestFile], set[Entry]]:
+def _recorded(root: Path, manifest: Manifest) -> dict[str, ManifestFile]:
     """The files the tree's MANIFEST.json records (claims and retired), by path, if an earlier pull
-    of this box and run wrote it, and the retired ones among them. UsageError if it is another's,
-    or cannot be read (then what it may stand for is unknown)."""
+    of this box and run wrote it. UsageError if it is another's, or cannot be read (then what it may
+    stand for is unknown)."""
     where = root / MANIFEST_NAME
     if not os.path.lexists(where):
-        return {}, set()
+        return {}
     try:
         earlier = read_manifest(where)
     except StateError as exc:
@@ -299,8 +306,7 @@ def _recorded(root: Path, manifest: Manifest) -> tuple[dict[str, ManifestFile], 
             f"pull into an empty or new directory (--to), or move {MANIFEST_NAME} away"
         ) from exc
     _check_same_box(root, "the tree pulled from", earlier.instance, earlier.run_id, manifest)
-    files = {f.path: f for f in (*earlier.files, *earlier.retired)}
-    return files, {(f.path, f.bytes, f.blake3) for f in earlier.retired}
+    return {f.path: f for f in (*earlier.files, *earlier.retired)}
 
 
 def _still_as_pulled(root: Path, extra: list[str], earlier: dict[str, ManifestFile]) -> list[ManifestFile]:
@@ -383,18 +389,16 @@ def _check_same_box(root: Path, what: str, instance: str, run_id: str, manifest:
 
 
 def _survey(
-    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry], retired: set[Entry]
-) -> tuple[set[str], list[str]]:
-    """The paths of claims whose bytes are here already, and those whose bytes here are older ones
-    an earlier pull of this box put there (the box changed the file since: they will be replaced).
-    UsageError naming the files at claims' paths whose bytes are neither the claim's nor `known`,
-    or are `retired` ones (their file left the box, and a new file took its path since): a pull
-    never replaces those."""
+    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]
+) -> tuple[set[str], dict[str, str]]:
+    """The paths of claims whose bytes are here already, and, with their digests, those whose bytes
+    here are older ones an earlier pull of this box put there (the box has other bytes at that path
+    since: they move to REPLACED_DIR). UsageError naming the files at claims' paths whose bytes are
+    neither the claim's nor `known`: a pull never touches those."""
     sized = {(p, n) for p, n, _ in known}
     present: set[str] = set()
-    older: list[str] = []
+    older: dict[str, str] = {}
     foreign: list[str] = []
-    kept: list[str] = []
     for claim in claims:
         full = root / claim.path
         try:
@@ -413,26 +417,45 @@ def _survey(
             present.add(claim.path)
         elif digest is None or (claim.path, st.st_size, digest) not in known:
             foreign.append(claim.path)
-        elif (claim.path, st.st_size, digest) in retired:
-            kept.append(claim.path)
         else:
-            older.append(claim.path)
-    if kept:
-        raise UsageError(
-            f"refusing to pull: {len(kept)} file(s) in {root} hold checkpoints that left box "
-            f"{manifest.instance!r} after an earlier pull (deleted, renamed away or released; retired in "
-            f"{MANIFEST_NAME}), and the box has a new file at the same path since: "
-            f"{name_some(sorted(kept))}; "
-            "pull never replaces them: move them aside (the box's durable copies of them lie in its "
-            "store's .boxwarden-attic), or pull into an empty or new directory (--to)"
-        )
+            older[claim.path] = digest
     if foreign:
         raise UsageError(
             f"refusing to pull: {len(foreign)} file(s) in {root} hold bytes that no pull of box "
             f"{manifest.instance!r} put there, where the box has files: {name_some(sorted(foreign))}; "
             "pull never replaces them: move them away, or pull into an empty or new directory (--to)"
         )
-    return present, sorted(older)
+    return present, older
+
+
+def _keep_replaced(root: Path, root_fd: int, path: str, parent_fd: int, digest: str) -> None:
+    """Move the bytes an earlier pull put at `path` to `REPLACED_DIR/<path>.<digest>` before newer
+    ones take the path: whether the box still holds them anywhere (a durable copy, the attic) is not
+    known here, so a pull never destroys them. Bytes kept there before under that name are not
+    kept twice: the file here is removed only once theirs hash equal."""
+    *dirs, name = path.split("/")
+    aside_fd = _open_parent(root, root_fd, [REPLACED_DIR, *dirs])
+    target = f"{name}.{digest}" if len(os.fsencode(name)) + 65 <= NAME_MAX else digest
+    where = root / REPLACED_DIR / Path(*dirs, target)
+    try:
+        try:
+            os.lstat(target, dir_fd=aside_fd)
+        except FileNotFoundError:
+            os.rename(name, target, src_dir_fd=parent_fd, dst_dir_fd=aside_fd)
+            os.fsync(aside_fd)
+            os.fsync(parent_fd)
+            return
+        if _local_digest(where) != digest:
+            raise TransferError(
+                f"{where} holds other bytes than its name says; move it away and run pull again"
+            )
+        os.unlink(name, dir_fd=parent_fd)  # its bytes are kept at `where`, just hashed
+    except OSError as exc:
+        raise TransferError(
+            f"{root / path}: cannot move the older bytes to {where}: {exc.strerror or exc}"
+        ) from exc
+    finally:
+        os.close(aside_fd)
 
 
 def _local_digest(path: Path) -> str | None:
@@ -589,8 +612,8 @@ def _clear_parts(parts_fd: int) -> int:
 def _extra_local(root: Path, wanted: set[str]) -> list[str]:
     extra: list[str] = []
     for dirpath, dirs, names in os.walk(root):
-        if Path(dirpath) == root and PARTS_DIR in dirs:
-            dirs.remove(PARTS_DIR)
+        if Path(dirpath) == root:
+            dirs[:] = [d for d in dirs if d not in (PARTS_DIR, REPLACED_DIR)]
         for name in names:
             rel = (Path(dirpath) / name).relative_to(root).as_posix()
             if rel not in wanted and rel not in RESERVED_NAMES:

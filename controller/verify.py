@@ -30,6 +30,7 @@ from controller.manifest import (
     MARKER_NAME,
     MARKER_SCHEMA,
     PARTS_DIR,
+    REPLACED_DIR,
     RESERVED_NAMES,
     Manifest,
     ManifestFile,
@@ -290,7 +291,8 @@ def _scan(root: Path) -> _Scan:
             if entry.is_symlink():
                 scan.unsafe[rel] = f"symlink to {os.readlink(entry.path)!r} (never followed)"
             elif entry.is_dir(follow_symlinks=False):
-                pending.append((rel, entry.path))
+                if not (rel_dir == "" and entry.name == REPLACED_DIR):  # kept bytes, not the tree
+                    pending.append((rel, entry.path))
             elif entry.is_file(follow_symlinks=False):
                 if not (rel_dir == "" and entry.name in RESERVED_NAMES):
                     scan.files.add(rel)

@@ -40,6 +40,7 @@ RESERVED_TOP = frozenset(
         "MANIFEST.json",
         "PULL_VERIFIED.json",
         ".bw-parts",
+        ".bw-replaced",
         # the durable store's own files, beside the artifacts at the top of a run's corner
         ".boxwarden-tmp",
         ".boxwarden-store-id",

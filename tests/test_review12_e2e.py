@@ -465,7 +465,7 @@ def test_a_new_file_at_the_path_of_one_deleted_on_the_box_replaces_no_copy_of_it
     """Review 16, F01: a checkpoint pulled and verified, then deleted on the box (a run restarted
     from scratch); the new run wrote a file of the same name. The sidecar renamed the new copy over
     the old durable one, the next pull replaced the retired bytes in the tree, and `down` passed:
-    the old checkpoint was nowhere."""
+    the old checkpoint was nowhere. Now the old copy is in the attic, and at home in .bw-replaced."""
     p, pulled = pulled_box(bw, {"best.bin": V1})
     (p["watch"] / "best.bin").unlink()
     wait_until(lambda: bw.artifacts(NAME)["claims"] == [], what="the claim to end")
@@ -474,13 +474,44 @@ def test_a_new_file_at_the_path_of_one_deleted_on_the_box_replaces_no_copy_of_it
     assert (p["durable"] / "best.bin").read_bytes() == V2
     (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/best.bin")
     assert kept.read_bytes() == V1
-    r = bw("pull", NAME, "--to", str(pulled))
-    assert r.returncode == 2 and "hold checkpoints that left box" in r.stderr, r.stderr
-    assert (pulled / "best.bin").read_bytes() == V1
-    assert dry(bw)["allowed"] is False  # the new checkpoint is not home
-    os.replace(pulled / "best.bin", bw.cwd / "best-v1.bin")  # what the message asks for
-    assert bw.json("pull", NAME, "--to", str(pulled))["fetched"] == ["best.bin"]
+    report = bw.json("pull", NAME, "--to", str(pulled))
+    assert report["fetched"] == ["best.bin"] and report["replaced"] == ["best.bin"]
     assert (pulled / "best.bin").read_bytes() == V2
+    assert replaced_in(pulled, "best.bin") == V1  # the retired bytes stay home, aside
+    bw.ok("verify", str(pulled))
+
+
+def replaced_in(pulled: Path, rel: str) -> bytes:
+    """The bytes a pull moved aside from `rel` (exactly one version)."""
+    (kept,) = (pulled / ".bw-replaced").glob(f"{rel}.*")
+    return kept.read_bytes()
+
+
+def test_pull_never_destroys_bytes_at_home_that_never_became_durable(bw: Bw, tmp_path: Path) -> None:
+    """Review 22, F01: a checkpoint pulled home while the durable store was full (never durable),
+    then rotated on the box: its claim ended with no copy anywhere but the pulled tree, and the
+    next pull replaced it there with the new bytes (`replaced`): then it was nowhere."""
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)], check=True)
+    try:
+        p = bw.up(NAME, "--durable", tiny.as_uri())
+        big = os.urandom(200_000)  # > 64 KiB: its push fails, the claim is never durable
+        (p["watch"] / "last.bin").write_bytes(big)
+        wait_until(lambda: [c for c in bw.artifacts(NAME)["claims"] if c["push_error"]], what="a push error")
+        pulled = bw.cwd / "pulled"
+        bw.ok("pull", NAME, "--to", str(pulled))
+        (p["watch"] / "last.bin").unlink()
+        (p["watch"] / "last.bin").write_bytes(b"small enough")
+        claimed_with(bw, b"small enough")
+        report = bw.json("pull", NAME, "--to", str(pulled))
+        assert report["replaced"] == ["last.bin"]
+        assert (pulled / "last.bin").read_bytes() == b"small enough"
+        assert replaced_in(pulled, "last.bin") == big
+        bw.ok("verify", str(pulled))
+    finally:
+        bw.cleanup()
+        subprocess.run(["umount", str(tiny)], check=True)
 
 
 def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it(bw: Bw) -> None:

@@ -46,7 +46,7 @@ from tests.sidecar.daemon import Daemon, running
 
 TEMP_GLOBS = ("*.tmp", "*.part", "*.swp", "*.swx", ".*.swp")
 RELEASE_ASIDE = b".bw-release."
-RESERVED_TOP = frozenset({b"MANIFEST.json", b"PULL_VERIFIED.json", b".bw-parts"})
+RESERVED_TOP = frozenset({b"MANIFEST.json", b"PULL_VERIFIED.json", b".bw-parts", b".bw-replaced"})
 # First components the durable store keeps for itself (sidecar/storage/__init__.py split_rel).
 STORE_RESERVED_TOP = frozenset({b".boxwarden-tmp", b".boxwarden-owner", b".boxwarden-store-id"})
 PROBED_SUFFIXES = frozenset({".pt", ".pth", ".ckpt", ".safetensors"})  # torch/safetensors: not ours
