@@ -298,9 +298,11 @@ def check_watch_spelling(given: Path, workdir: Path) -> None:
                 "`up`, so re-pointing the link would hide new checkpoints: watch the real directory "
                 f"({cur.resolve()}) or a directory above the link"
             )
-    if given.name in RESERVED_WATCH_NAMES:
+    # The name the box will use: `.bw-parts/x/..` is `.bw-parts`.
+    name = given.resolve().name
+    if name in RESERVED_WATCH_NAMES or given.name in RESERVED_WATCH_NAMES:
         raise UsageError(
-            f"--watch {given}: {given.name!r} is reserved for boxwarden's own files in a pulled tree or "
+            f"--watch {given}: {name!r} is reserved for boxwarden's own files in a pulled tree or "
             "the durable store; rename the directory"
         )
 

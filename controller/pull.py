@@ -432,7 +432,8 @@ def _keep_replaced(root: Path, root_fd: int, path: str, parent_fd: int, digest: 
     """Move the bytes an earlier pull put at `path` to `REPLACED_DIR/<path>.<digest>` before newer
     ones take the path: whether the box still holds them anywhere (a durable copy, the attic) is not
     known here, so a pull never destroys them. Bytes kept there before under that name are not
-    kept twice: the file here is removed only once theirs hash equal."""
+    kept twice: the file here is removed only once both hash equal (it is hashed again here: it may
+    have been edited since the survey)."""
     *dirs, name = path.split("/")
     aside_fd = _open_parent(root, root_fd, [REPLACED_DIR, *dirs])
     target = f"{name}.{digest}" if len(os.fsencode(name)) + 65 <= NAME_MAX else digest
@@ -445,9 +446,9 @@ def _keep_replaced(root: Path, root_fd: int, path: str, parent_fd: int, digest: 
             os.fsync(aside_fd)
             os.fsync(parent_fd)
             return
-        if _local_digest(where) != digest:
+        if _local_digest(where) != digest or _local_digest(root / path) != digest:
             raise TransferError(
-                f"{where} holds other bytes than its name says; move it away and run pull again"
+                f"{root / path} or {where} changed during the pull; move one of them away and run pull again"
             )
         os.unlink(name, dir_fd=parent_fd)  # its bytes are kept at `where`, just hashed
     except OSError as exc:

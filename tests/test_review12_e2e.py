@@ -314,6 +314,11 @@ def test_up_refuses_a_watched_dir_named_like_the_durable_stores_own_files(bw: Bw
     r = bw(*up_args(bw, "--watch", ".boxwarden-tmp"))
     assert r.returncode == 2 and "'.boxwarden-tmp' is reserved" in r.stderr, r.stderr
     assert not (bw.cwd / ".boxwarden-tmp").exists()
+    # Review 23, F01: the same name spelled through `..` got past the check.
+    (bw.cwd / ".bw-replaced" / "x").mkdir(parents=True)
+    r = bw(*up_args(bw, "--watch", ".bw-replaced/x/.."))
+    assert r.returncode == 2 and "'.bw-replaced' is reserved" in r.stderr, r.stderr
+    assert not bw.sidecar_pids()
 
 
 def test_a_pull_that_ends_after_a_down_leaves_the_box_down(bw: Bw) -> None:
