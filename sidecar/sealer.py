@@ -136,14 +136,20 @@ class Sealer:
             # Events were dropped: any claim may have been deleted and written again unseen.
             logger.warning("filesystem events were lost; every changed claim keeps its old copy")
             self._unsure.update(c.path for c in self.ledger.current_claims())
-            self._chore("rescan", self._rescan_soon())
+            self._rescan()
         elif change.kind == "left":
             prefix = self.namer.dir_prefix(change.path)
             if prefix is not None:
                 self._left.add(prefix)
                 self._chore("left", self._dirs_left())
-        elif "rescan" in self._chores:
-            self._rescan_again = True  # the one under way may have walked past this change already
+        else:
+            self._rescan()
+
+    def _rescan(self) -> None:
+        """A rescan soon; one asked for while one runs follows it (that one may have walked past
+        the change already)."""
+        if "rescan" in self._chores:
+            self._rescan_again = True
         else:
             self._chore("rescan", self._rescan_soon())
 
