@@ -82,10 +82,8 @@ def test_up_again_forgets_the_steps_taken_on_the_sidecar_before(bw: Bw) -> None:
     sidecar, which sealed a new checkpoint and then stopped answering. `down` continued the old
     teardown without a gate (its steps said the sidecar was stopped) and marked the box down."""
     p, _ = pulled_box(bw, {"a.bin": b"a"})
-    (pid,) = bw.sidecar_pids()
     interrupted_after(bw, teardown.RELEASE, teardown.SHUTDOWN)
-    os.kill(pid, signal.SIGTERM)
-    wait_until(lambda: not pid_alive(pid), what="the sidecar to stop")
+    sidecar_stops(bw)
     interrupted_after(bw, teardown.SIDECAR_GONE)
     bw.ok(*up_args(bw))
     assert "teardown" not in bw.json("status")["boxes"][0]  # nothing unfinished is left to continue
@@ -428,22 +426,30 @@ def test_meter_stopped_never_vouches_for_console_steps_shown_before_up_again(bw:
 V1, V2 = b"weights after 1000 steps (v1)", b"weights after 100 steps of a restarted run (v2)"
 
 
-def a_new_file_takes_the_path(bw: Bw, p: dict[str, Path], rel: str, data: bytes) -> None:
-    """The box writes a new file at `rel` (a temp outside the watched dir renamed into place), and
-    its copy is durable."""
+def put_in_place(bw: Bw, p: dict[str, Path], rel: str, data: bytes) -> None:
+    """The box writes a new file at `rel`: a temp outside the watched dir renamed into place."""
     tmp = bw.cwd / "new.tmp"
     tmp.write_bytes(data)
     os.replace(tmp, p["watch"] / rel)
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(data))],
-        what="the new claim",
-    )
 
 
-def claimed_with(bw: Bw, data: bytes) -> None:
+def a_new_file_takes_the_path(bw: Bw, p: dict[str, Path], rel: str, data: bytes) -> None:
+    """The box writes a new file at `rel`, the box's only claim, and its copy is durable."""
+    put_in_place(bw, p, rel, data)
+    claimed_with(bw, data)
+
+
+def kept_in_attic(p: dict[str, Path], rel: str) -> bytes:
+    """The bytes of the one copy of `rel` the durable store kept aside as retired."""
+    (kept,) = (p["durable"] / ".boxwarden-attic").glob(f"retired-*/{rel}")
+    return kept.read_bytes()
+
+
+def claimed_with(bw: Bw, data: bytes, timeout: float = 30.0) -> None:
     """Until box NAME's one claim is durable and holds `data`'s size."""
     wait_until(
         lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(data))],
+        timeout=timeout,
         what="the new claim",
     )
 
@@ -477,8 +483,7 @@ def test_a_new_file_at_the_path_of_one_deleted_on_the_box_replaces_no_copy_of_it
     assert bw.json("pull", NAME, "--to", str(pulled))["retired"] == ["best.bin"]
     a_new_file_takes_the_path(bw, p, "best.bin", V2)
     assert (p["durable"] / "best.bin").read_bytes() == V2
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/best.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "best.bin") == V1
     report = bw.json("pull", NAME, "--to", str(pulled))
     assert report["fetched"] == ["best.bin"] and report["replaced"] == ["best.bin"]
     assert (pulled / "best.bin").read_bytes() == V2
@@ -541,8 +546,7 @@ def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it
     assert asyncio.run(release()) == ["best.bin", "other.bin"]
     a_new_file_takes_the_path(bw, p, "best.bin", V2)
     assert (p["durable"] / "best.bin").read_bytes() == V2
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/best.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "best.bin") == V1
     assert (p["durable"] / "other.bin").read_bytes() == b"o"  # the copy of a file no new one replaced stays
 
 
@@ -559,16 +563,13 @@ def test_a_deleted_checkpoint_whose_bytes_another_file_holds_is_still_kept_aside
     wait_until(
         lambda: [c["path"] for c in bw.wait_durable(NAME, 1)["claims"]] == ["best.bin"], what="the end"
     )
-    tmp = bw.cwd / "new.tmp"
-    tmp.write_bytes(V2)
-    os.replace(tmp, p["watch"] / "step-100.bin")
+    put_in_place(bw, p, "step-100.bin", V2)
     bw.wait_durable(NAME, 2)
     (p["watch"] / "best.bin").write_bytes(V2)
     wait_until(
         lambda: {c["size"] for c in bw.wait_durable(NAME, 2)["claims"]} == {str(len(V2))}, what="new best"
     )
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/step-100.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "step-100.bin") == V1
     assert (p["durable"] / "best.bin").read_bytes() == V2
 
 
@@ -601,11 +602,8 @@ def test_a_checkpoint_dir_moved_out_of_the_watched_tree_keeps_its_copies(bw: Bw)
     trash.mkdir()
     os.rename(p["watch"] / "latest", trash / "latest.old")
     (p["watch"] / "latest").mkdir()  # at once: a new run writes the same path
-    (bw.cwd / "new.tmp").write_bytes(V2)
-    os.replace(bw.cwd / "new.tmp", p["watch"] / "latest" / "model.bin")
-    claimed_with(bw, V2)
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/latest/model.bin")
-    assert kept.read_bytes() == V1
+    a_new_file_takes_the_path(bw, p, "latest/model.bin", V2)
+    assert kept_in_attic(p, "latest/model.bin") == V1
     assert (p["durable"] / "latest" / "model.bin").read_bytes() == V2
 
 
@@ -618,15 +616,9 @@ def test_a_watched_dir_moved_aside_and_made_again_keeps_the_old_copies_and_is_wa
     bw.wait_durable(NAME, 1)
     os.rename(p["watch"], bw.cwd / "ckpt-run1")
     p["watch"].mkdir()
-    (bw.cwd / "new.tmp").write_bytes(V2)
-    os.replace(bw.cwd / "new.tmp", p["watch"] / "last.bin")
-    wait_until(
-        lambda: [c["size"] for c in bw.wait_durable(NAME, 1)["claims"]] == [str(len(V2))],
-        timeout=60,
-        what="the new claim (found by the periodic rescan)",
-    )
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    put_in_place(bw, p, "last.bin", V2)
+    claimed_with(bw, V2, timeout=60)  # found by the periodic rescan
+    assert kept_in_attic(p, "last.bin") == V1
     # The new directory is watched: a file written there now is sealed without waiting for a rescan.
     (p["watch"] / "next.bin").write_bytes(b"next")
     bw.wait_durable(NAME, 2, timeout=8)
@@ -641,8 +633,7 @@ def test_a_file_deleted_and_written_again_at_once_keeps_its_copy(bw: Bw) -> None
     (p["watch"] / "last.bin").unlink()
     (p["watch"] / "last.bin").write_bytes(V2)
     claimed_with(bw, V2)
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "last.bin") == V1
 
 
 def test_a_file_replaced_in_one_step_supersedes_its_copy(bw: Bw) -> None:
@@ -694,8 +685,7 @@ def test_a_rotation_inside_a_burst_the_kernel_dropped_keeps_the_old_copy(bw: Bw)
         what="the new claim",
     )
     assert "events were lost" in (p["box_dir"] / "sidecar.log").read_text()  # the burst did overflow
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "last.bin") == V1
 
 
 def test_a_watched_dir_moved_elsewhere_and_linked_back_holds_the_gate(bw: Bw) -> None:
@@ -727,8 +717,7 @@ def test_a_file_changed_while_the_sidecar_was_down_keeps_its_old_copy(bw: Bw) ->
     (p["watch"] / "last.bin").write_bytes(V2)
     bw.ok(*up_args(bw))
     claimed_with(bw, V2)
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "last.bin") == V1
 
 
 # -- Review 21 ------------------------------------------------------------------------------------
@@ -761,8 +750,7 @@ def test_a_file_deleted_while_the_sidecar_was_down_and_written_after_keeps_the_o
         writer.stdin.close()
         assert writer.wait(timeout=30) == 0
     claimed_with(bw, V2)
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "last.bin") == V1
 
 
 ODD_NAMED_WRITER = """
@@ -792,5 +780,4 @@ def test_a_file_named_like_the_sealers_own_chores_hides_no_deletion(bw: Bw) -> N
         ),
         what="the new claim",
     )
-    (kept,) = (p["durable"] / ".boxwarden-attic").glob("retired-*/last.bin")
-    assert kept.read_bytes() == V1
+    assert kept_in_attic(p, "last.bin") == V1

@@ -59,6 +59,7 @@ from sidecar.storage.tree import (
     open_tmp_dir,
     refuse_symlink,
     remove_quietly,
+    sync_made_dirs,
     walk_dirs,
 )
 
@@ -309,15 +310,10 @@ class LocalStore:
                 os.replace(staged.tmp_path, parts[-1], dst_dir_fd=dir_fds[-1])
             except OSError as exc:
                 raise storage_error("renaming staged copy to", final, exc) from exc
-            # The rename is durable once the final parent is flushed; each directory created on
-            # the way is durable once *its* parent is flushed. So: every dir from the parent of
-            # the first new one down to the final parent.
-            lowest = len(dir_fds) - 1 if first_new is None else first_new - 1
-            for k in range(len(dir_fds) - 1, lowest - 1, -1):
-                try:
-                    os.fsync(dir_fds[k])
-                except OSError as exc:
-                    raise storage_error("flushing directory of", final, exc) from exc
+            try:
+                sync_made_dirs(dir_fds, first_new)
+            except OSError as exc:
+                raise storage_error("flushing directory of", final, exc) from exc
         finally:
             for dfd in dir_fds:
                 close_fd(dfd)
@@ -380,9 +376,7 @@ class LocalStore:
             try:
                 os.rename(parts[-1], aside[-1], src_dir_fd=src_fds[-1], dst_dir_fd=dst_fds[-1])
                 os.fsync(src_fds[-1])
-                lowest = len(dst_fds) - 1 if first_new is None else first_new - 1
-                for k in range(len(dst_fds) - 1, lowest - 1, -1):
-                    os.fsync(dst_fds[k])
+                sync_made_dirs(dst_fds, first_new)
             except OSError as exc:
                 raise storage_error("keeping aside the old copy at", self.root / rel, exc) from exc
             finally:

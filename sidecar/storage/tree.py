@@ -66,6 +66,15 @@ def walk_dirs(root: Path, parts: tuple[str, ...], *, create: bool) -> tuple[list
     return fds, first_new
 
 
+def sync_made_dirs(dir_fds: list[int], first_new: int | None) -> None:
+    """Flush what a rename into the last of `walk_dirs`'s fds needs on disk: that directory, and
+    every directory from the parent of the first one `walk_dirs` created down to it (each new
+    directory is durable once *its* parent is flushed). OSError is the caller's to name."""
+    lowest = len(dir_fds) - 1 if first_new is None else first_new - 1
+    for k in range(len(dir_fds) - 1, lowest - 1, -1):
+        os.fsync(dir_fds[k])
+
+
 def open_final(root: Path, rel: str) -> int | None:
     """Open the durable copy at `rel` read-only; None if no regular file is there."""
     parts = split_rel(rel)
