@@ -1,9 +1,10 @@
-"""Bootstrap: start the sidecar for a box on the local profile, idempotently, and wait for its Hello.
+"""Bootstrap: start the sidecar of a box, idempotently, and wait for its Hello.
 
-The sidecar runs detached in its own session (it must outlive this CLI), with a pid file and its
-log in the box's directory. A second `up` with the same version leaves a running sidecar alone; a
-sidecar of another version is shut down and restarted. (Remote boxes reach the same code through SSH
-in a later version; the config travels as a SidecarConfig message either way.)
+The box-side half (`python -m sidecar.launch start`, run through the box's connector) creates the
+watched and durable dirs, checks the durable dir, writes the config (0600) and starts the sidecar
+detached in its own session (it must outlive this CLI and the SSH session that started it), unless
+a sidecar already holds the box's state dir. A second `up` with the same version leaves a running
+sidecar alone; a sidecar of another version is shut down and restarted; a dead one is restarted.
 """
 
 from __future__ import annotations
@@ -11,11 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
@@ -23,9 +23,8 @@ from google.protobuf import json_format
 
 from controller import __version__
 from controller.client import SidecarClient
+from controller.connector import Connector, launch
 from controller.errors import ControllerError, SidecarUnreachable, VersionMismatch
-from controller.manifest import atomic_write_json
-from controller.reach import target
 from controller.state import Box
 
 logger = logging.getLogger(__name__)
@@ -63,120 +62,101 @@ class UpResult:
     hello: pb.HelloResponse
     started: bool  # False: a sidecar of this version was already running and was left alone
     note: str = ""
+    findings: list[dict[str, str]] = field(default_factory=list)  # the box-side checks' findings
 
 
-async def _hello(box: Box, timeout_s: float) -> pb.HelloResponse | None:
+async def _hello(conn: Connector, timeout_s: float) -> pb.HelloResponse | None:
     """Hello without the version check; None if nothing answers."""
-    if not Path(box.socket).exists():
+    try:
+        target = await conn.target()
+    except SidecarUnreachable:
         return None
-    async with SidecarClient(target(box)) as c:
+    async with SidecarClient(target) as c:
         try:
             return await c.hello(timeout_s=timeout_s, check_version=False)
         except SidecarUnreachable:
             return None
 
 
-async def up(box: Box) -> UpResult:
-    box_dir = Path(box.box_dir)
-    running = await _hello(box, timeout_s=2.0)
-    if running is not None and running.version == __version__:
-        note = ""
-        if list(running.watch_dirs) != list(box.watch) or running.durable_url != box.durable:
-            note = "the running sidecar keeps its own watch dirs and durable URL; `down` it to change them"
-        return UpResult(hello=running, started=False, note=note)
-    if running is not None:
-        logger.info("sidecar runs version %s, restarting with %s", running.version, __version__)
-        async with SidecarClient(target(box)) as c:
-            await c.shutdown()
-        await wait_gone(box, running.pid, deadline_s=15.0)
+def start_request(box: Box, checks: dict[str, Any], *, start: bool = True) -> dict[str, Any]:
+    root = str(Path(box.state_dir).parent)
+    return {
+        **checks,
+        "config": json_format.MessageToDict(config_for(box)),
+        "config_path": f"{root}/sidecar.json",
+        "log_path": f"{root}/sidecar.log",
+        "start": start,
+        "deadline_s": START_DEADLINE_S,
+    }
 
-    box_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    cfg_path = box_dir / "sidecar.json"
-    atomic_write_json(cfg_path, json_format.MessageToDict(config_for(box)))
-    log = open(box_dir / "sidecar.log", "ab")  # noqa: SIM115 - handed to the child
+
+async def up(box: Box, conn: Connector, checks: dict[str, Any]) -> UpResult:
+    """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
+    default, the profile's checks and inode floor)."""
+    req = start_request(box, checks)
+    answer = await launch(conn, "start", req)
+    findings = list(answer.get("findings", []))
+    if "running" in answer:
+        running = await _hello(conn, timeout_s=5.0)
+        if running is None:
+            raise SidecarUnreachable(
+                f"a sidecar (pid {answer['running']}) holds {box.state_dir} but does not answer; stop it, "
+                "or wait for it to finish starting, and run `up` again"
+            )
+        if running.version == __version__:
+            note = ""
+            if list(running.watch_dirs) != list(box.watch) or running.durable_url != box.durable:
+                note = (
+                    "the running sidecar keeps its own watch dirs and durable URL; `down` it to change them"
+                )
+            return UpResult(hello=running, started=False, note=note, findings=findings)
+        logger.info("sidecar runs version %s, restarting with %s", running.version, __version__)
+        async with SidecarClient(await conn.target()) as c:
+            await c.shutdown()
+        if not await wait_gone(box, conn, running.pid, deadline_s=STOP_DEADLINE_S):
+            raise ControllerError(
+                f"the sidecar of version {running.version} (pid {running.pid}) did not stop after Shutdown; "
+                f"see {Path(box.state_dir).parent}/sidecar.log on the box"
+            )
+        answer = await launch(conn, "start", req)
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "--config", str(cfg_path)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            close_fds=True,
-        )
-    finally:
-        log.close()
-    try:
-        return await _started(box, proc)
+        return await _started(box, conn, answer, findings)
     except BaseException:
         # An `up` that fails (or is interrupted) leaves no sidecar of its own running: the box's
         # record, and what an earlier teardown recorded, still describe it.
-        _stop_child(proc)
+        await launch(conn, "stop", {"state_dir": box.state_dir}, timeout_s=STOP_DEADLINE_S + 15)
         raise
 
 
-async def _started(box: Box, proc: subprocess.Popen[bytes]) -> UpResult:
-    box_dir = Path(box.box_dir)
+async def _started(
+    box: Box, conn: Connector, answer: dict[str, Any], findings: list[dict[str, str]]
+) -> UpResult:
+    if "started" not in answer:
+        raise ControllerError(
+            f"a sidecar started meanwhile by something else holds {box.state_dir}; run `up` again"
+        )
     deadline = time.monotonic() + START_DEADLINE_S
     while time.monotonic() < deadline:
-        code = proc.poll()
-        if code is not None:
-            tail = _tail(box_dir / "sidecar.log")
-            raise ControllerError(
-                f"the sidecar exited with status {code} while starting; its log says:\n{tail}"
-            )
-        hello = await _hello(box, timeout_s=1.0)
+        hello = await _hello(conn, timeout_s=2.0)
         if hello is not None:
             if hello.version != __version__:
                 raise VersionMismatch(f"the sidecar that answered runs {hello.version}, not {__version__}")
-            return UpResult(hello=hello, started=True)
+            return UpResult(hello=hello, started=True, findings=findings)
+        await conn.reset()
         await asyncio.sleep(0.1)
-    tail = _tail(box_dir / "sidecar.log")
     raise SidecarUnreachable(
-        f"the sidecar did not answer within {START_DEADLINE_S:.0f}s; its log says:\n{tail}"
+        f"the sidecar (pid {answer['started']}) started but did not answer through the link within "
+        f"{START_DEADLINE_S:.0f}s"
     )
 
 
-def _stop_child(proc: subprocess.Popen[bytes]) -> None:
-    """Stop the sidecar this `up` started and wait for its end (SIGTERM, then SIGKILL)."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=STOP_DEADLINE_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie child of ours is dead for every purpose here.
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-async def wait_gone(box: Box, pid: int, *, deadline_s: float) -> bool:
-    """Wait until the sidecar process is gone AND its socket no longer answers."""
+async def wait_gone(box: Box, conn: Connector, pid: int, *, deadline_s: float) -> bool:
+    """Wait until the sidecar is gone on the box (its state dir's lock free, its pid dead) AND its
+    socket no longer answers. Asked on the box: its pids are not this machine's."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
-        if not pid_alive(pid) and await _hello(box, timeout_s=0.5) is None:
+        answer = await launch(conn, "gone", {"state_dir": box.state_dir, "pid": pid}, timeout_s=30)
+        if answer.get("gone") and await _hello(conn, timeout_s=0.5) is None:
             return True
         await asyncio.sleep(0.1)
     return False
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as e:
-        return f"(cannot read {path}: {e.strerror})"

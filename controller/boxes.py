@@ -6,6 +6,7 @@ plain rows the renderer shows.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import time
@@ -16,12 +17,15 @@ from urllib.parse import unquote, urlparse
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import bootstrap, checks, gate, meterstop, profiles, teardown, templates
+from controller import bootstrap, checks, gate, meterstop, profiles, reach, teardown, templates
+from controller.client import SidecarClient
+from controller.connector import Connector, LocalConnector, launch
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, REPLACED_DIR, RESERVED_NAMES
-from controller.overlap import pseudo_filesystem, same_dir_above
 from controller.pull import Progress, PullReport, pull
 from controller.reach import connect
+from controller.ssh import argv as sshargv
+from controller.ssh.connector import SshConnector
 from controller.state import Box, State
 
 NAME_CHARS = "letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)"
@@ -60,28 +64,6 @@ def check_path_text(path: Path | str, what: str) -> None:
         ) from None
 
 
-def check_dir_target(path: Path, what: str) -> None:
-    """`path` is a directory or can become one: it is not a file, and neither is its nearest
-    existing ancestor (`FILE/sub` can never be made)."""
-    probe = path
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        where = "" if probe == path else f" (it is under {probe}, which is not a directory)"
-        raise UsageError(f"{what} {path} is not a directory{where}; give a directory")
-
-
-def check_real_filesystem(path: Path, what: str) -> None:
-    """A directory `up` gives the box lies on a filesystem that stores files: on proc, sysfs and the
-    like nothing can be sealed or copied (every file would show NOT_DURABLE with an odd error)."""
-    kind = pseudo_filesystem(path)
-    if kind is not None:
-        raise UsageError(
-            f"{what} {path} is on a {kind} pseudo-filesystem, which stores no files: give a directory "
-            "on a real filesystem"
-        )
-
-
 def durable_dir(url: str) -> Path:
     if CONTROL.search(url):
         raise UsageError(f"durable URL {url!r} contains a control character; give the URL without it")
@@ -92,28 +74,6 @@ def durable_dir(url: str) -> Path:
     if CONTROL.search(path):  # a %00 or %0a decodes to one
         raise UsageError(f"durable URL {url!r} decodes to a path with a control character; remove it")
     return Path(path)
-
-
-def prepare_durable(ddir: Path, *, own_default: bool) -> Path:
-    """Make the durable directory ready without ever creating a durable volume's parent: a missing
-    parent is an unmounted volume, and creating it would put the copies on the box's own disk.
-    Only the default durable dir (under the box's own state dir) may be created with its parents."""
-    if ddir.exists() and not ddir.is_dir():
-        raise UsageError(f"the durable path {ddir} is not a directory; give --durable file:///DIR of one")
-    if not own_default and not ddir.is_dir():
-        parent = ddir.parent
-        if parent.exists() and not parent.is_dir():
-            raise UsageError(f"the durable path's parent {parent} is not a directory; give a directory")
-        if not parent.is_dir():
-            raise UsageError(
-                f"the durable directory's parent {parent} does not exist: mount the durable volume "
-                f"(or create {parent}) first"
-            )
-    try:
-        ddir.mkdir(parents=own_default, exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"cannot create the durable directory {ddir}: {e.strerror}") from e
-    return ddir.resolve()
 
 
 @dataclass
@@ -144,12 +104,15 @@ async def up(
     profile: str | None,
     profile_file: Path | None,
     instance_id: str | None,
-    workdir: Path,
-    watch: Sequence[Path],
+    workdir: str,
+    watch: Sequence[str],
     durable: str | None,
     run_id: str | None,
     roster: Sequence[str],
     exclude: Sequence[str] = (),
+    host: str | None = None,
+    ssh_options: Sequence[str] = (),
+    ssh_config: str = "",
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -160,11 +123,23 @@ async def up(
         if path is not None:
             check_path_text(path, what)
     prof = profiles.resolve(profile, profile_file)
-    if prof.kind != "local":
-        raise UsageError(
-            f"profile {prof.name!r} is a remote platform ({prof.kind}); this version runs boxes on this "
-            "machine only (a profile of kind local)"
-        )
+    options: tuple[str, ...] = ()
+    if host is not None:
+        host = sshargv.check_destination(host)
+        options = tuple("=".join(sshargv.check_option(o)) for o in ssh_options)
+        if prof.kind not in REMOTE_KINDS:
+            raise UsageError(
+                f"profile {prof.name!r} is of kind {prof.kind}; --host takes a profile of kind "
+                f"{', '.join(REMOTE_KINDS)} (`boxwarden profiles list`)"
+            )
+    else:
+        if ssh_options:
+            raise UsageError("--ssh-option goes with --host DEST (a remote box)")
+        if prof.kind != "local":
+            raise UsageError(
+                f"profile {prof.name!r} is a remote platform ({prof.kind}): give the box's SSH destination "
+                "with --host DEST (an alias from ~/.ssh/config, or user@host)"
+            )
     if instance_id is not None and not templates.PLACEHOLDERS["instance_id"].fullmatch(instance_id):
         raise UsageError(f"instance id {instance_id!r} is not allowed: letters, digits, '.', '_', ':', '-'")
     old = state.find(name)
@@ -180,6 +155,9 @@ async def up(
             )
         if instance_id is not None and old.instance_id and instance_id != old.instance_id:
             raise UsageError(f"{name} is up as instance {old.instance_id}; `down` it before changing the id")
+        if (host or "") != old.host:
+            was = f"on {old.host}" if old.host else "on this machine"
+            raise UsageError(f"{name} is up {was}; `down` it before bringing it up elsewhere")
     effective_id = instance_id or (old.instance_id if running and old is not None else "")
     if "instance_id" in profiles.placeholders(prof) and not effective_id:
         raise UsageError(
@@ -192,85 +170,179 @@ async def up(
         check_name(cell, "roster cell")
     for pat in exclude:
         check_exclude(pat)
-    box_dir = state.box_dir(name)
-    default_url = (box_dir / "durable").resolve().as_uri()
     live = old if old is not None and old.status != "down" else None  # a box not torn down
-    url = durable or (live.durable if live is not None else default_url)
-    ddir = durable_dir(url)
-    for w in watch:
-        check_watch_spelling(w if w.is_absolute() else workdir.absolute() / w, workdir)
-    workdir = workdir.resolve()
-    check_path_text(workdir, "--workdir")
-    check_dir_target(workdir, "--workdir")
-    watch_abs = [(w if w.is_absolute() else workdir / w).resolve() for w in watch]
-    for w in watch_abs:
-        check_path_text(w, "--watch")
-        check_dir_target(w, "--watch")
-    for path, what in [(workdir, "--workdir"), *((w, "--watch") for w in watch_abs), (ddir, "--durable")]:
-        check_real_filesystem(path, what)
-    _same_claims(name, old, live, watch_abs, ddir, run_id)
-    _durable_apart(ddir, watch_abs, box_dir)
     if live is not None and exclude and tuple(exclude) != live.exclude:
         raise UsageError(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
         )
-    excludes = tuple(exclude) or (live.exclude if live is not None else ())
-    ddir = prepare_durable(ddir, own_default=url == default_url)
+    if durable is not None:
+        durable_dir(durable)
+    spec = UpSpec(
+        name=name,
+        prof=prof,
+        profile_file=profile_file,
+        instance_id=effective_id,
+        old=old,
+        live=live,
+        running=running,
+        workdir=workdir,
+        watch=tuple(watch),
+        durable=durable,
+        run_id=run_id,
+        roster=tuple(roster),
+        exclude=tuple(exclude) or (live.exclude if live is not None else ()),
+        host=host or "",
+        options=options,
+        ssh_config=ssh_config if host else "",
+    )
+    box_dir = state.box_dir(name)
+    if host is None:
+        socket = str(bootstrap.socket_path_for(box_dir))
+        where = Where(box_dir=box_dir, state_root=box_dir, python="", socket=socket)
+        default_url = (box_dir / "durable").resolve().as_uri()
+        return await _up_on(state, spec, LocalConnector(socket), where, default_url)
+    conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
+    try:
+        where, default_url = await _remote_where(state, name, conn, host, prof, box_dir)
+        return await _up_on(state, spec, conn, where, default_url)
+    finally:
+        await conn.close()
+
+
+REMOTE_KINDS = ("ssh", "ssh-rental", "cloud-api")
+
+
+@dataclass(frozen=True)
+class UpSpec:
+    """What `up` was asked for, checked as text (the box checks the paths)."""
+
+    name: str
+    prof: profiles.Profile
+    profile_file: Path | None
+    instance_id: str
+    old: Box | None
+    live: Box | None
+    running: bool
+    workdir: str
+    watch: tuple[str, ...]
+    durable: str | None
+    run_id: str | None
+    roster: tuple[str, ...]
+    exclude: tuple[str, ...]
+    host: str
+    options: tuple[str, ...]
+    ssh_config: str
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where a box keeps the sidecar: paths on the box, and its venv's python (empty: this one)."""
+
+    box_dir: Path  # the controller's own directory for the box
+    state_root: Path  # on the box: holds sidecar/ (the state dir), sidecar.json, sidecar.log
+    python: str
+    socket: str
+
+
+async def _remote_where(
+    state: State, name: str, conn: SshConnector, host: str, prof: profiles.Profile, box_dir: Path
+) -> tuple[Where, str]:
+    """Probe the remote box and give it the sidecar's venv: where its state lives, its python."""
+    from controller import remote, wheelhouse
+
+    probe = await remote.probe(conn, host)
+    python = await remote.ensure_venv(conn, host, probe, wheelhouse.default_cache_root(os.environ))
+    root = Path(probe.root) / "boxes" / name
+    socket = root / "sidecar" / "sidecar.sock"
+    if len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:
+        socket = Path(probe.root) / "s" / f"{name[:40]}.sock"
+    if ":" in str(socket):
+        raise ControllerError(
+            f"{host}: the sidecar's socket path {socket} holds a ':', which an SSH forward cannot carry"
+        )
+    tier = next((t for t in prof.storage if t.durable_default), None)
+    if tier is not None:
+        base = probe.home + tier.path[1:] if tier.path.startswith("~") else tier.path
+        default_url = Path(base, "boxwarden").as_uri()
+    else:
+        default_url = (root / "durable").as_uri()
+    conn.remote_socket = str(socket)
+    conn.python = python
+    return Where(box_dir=box_dir, state_root=root, python=python, socket=str(socket)), default_url
+
+
+async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
+    old, live, prof, name = spec.old, spec.live, spec.prof, spec.name
+    url = spec.durable or (live.durable if live is not None else default_url)
+    ddir = durable_dir(url)
+    state_dir = where.state_root / "sidecar"
+    # The paths as the box sees them: checked and resolved there (symlinks, files in the way,
+    # pseudo-filesystems, the durable dir apart from the watched ones); nothing is created yet.
+    facts = await launch(
+        conn,
+        "resolve",
+        {
+            "workdir": spec.workdir if spec.host else str(Path(spec.workdir).absolute()),
+            "watch": list(spec.watch),
+            "durable": str(ddir),
+            "state_dir": str(state_dir),
+            "reserved": sorted(RESERVED_WATCH_NAMES),
+            "tiers": [t.path for t in prof.storage],
+        },
+    )
+    check_path_text(facts["workdir"], "--workdir")
+    watch_abs = [str(w) for w in facts["watch"]]
     for w in watch_abs:
-        try:
-            w.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UsageError(f"cannot create the watched directory {w}: {e.strerror}") from e
-    findings = checks.run_checks(prof, watch=watch_abs, durable=ddir, home=Path.home())
+        check_path_text(w, "--watch")
+    _same_claims(name, old, live, watch_abs, str(facts["durable"]), spec.run_id)
+    findings = checks.watch_tier(prof, watch_abs, facts["durable"], facts["real"], facts["tiers"])
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise ControllerError("; ".join(f.message for f in errors))
-    fresh = not running
+    fresh = not spec.running
     box = Box(
         name=name,
         profile=prof.name,
-        profile_file=str(profile_file.resolve()) if profile_file else "",
+        profile_file=str(spec.profile_file.resolve()) if spec.profile_file else "",
         profile_digest=prof.digest,
-        instance_id=effective_id,
-        box_dir=str(box_dir),
-        state_dir=str(box_dir / "sidecar"),
-        socket=str(bootstrap.socket_path_for(box_dir)),
-        workdir=str(workdir),
-        watch=tuple(str(w) for w in watch_abs),
-        durable=url,
-        run_id=run_id or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
-        roster=tuple(roster) or (old.roster if old else ()),
-        exclude=excludes,
+        instance_id=spec.instance_id,
+        box_dir=str(where.box_dir),
+        state_dir=str(state_dir),
+        socket=where.socket,
+        workdir=facts["workdir"],
+        watch=tuple(watch_abs),
+        durable=Path(facts["durable"]).as_uri(),
+        run_id=spec.run_id
+        or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
+        roster=spec.roster or (old.roster if old else ()),
+        exclude=spec.exclude,
         pulled_dir=old.pulled_dir if old and not fresh else "",
         notices_shown=bool(old and not fresh and old.notices_shown),
+        host=spec.host,
+        ssh_options=spec.options,
+        ssh_config=spec.ssh_config,
+        python=where.python,
     )
-    res = await bootstrap.up(box)
+    box_checks = {
+        **checks.box_side_request(prof),
+        "durable_dir": facts["durable"],
+        "own_default": url == default_url,
+    }
+    res = await bootstrap.up(box, conn, box_checks)
+    findings += [checks.Finding.from_json(f) for f in res.findings]
     if not res.started and old is not None:
         box = box.with_(
             watch=tuple(res.hello.watch_dirs), durable=res.hello.durable_url, run_id=res.hello.run_id
         )
     first_time = not box.notices_shown
-    box = box.with_(sidecar_pid=res.hello.pid, status="up", notices_shown=True)
+    box = box.with_(
+        sidecar_pid=res.hello.pid, status="up", notices_shown=True, last_contact_ns=time.time_ns()
+    )
     # A sidecar answers: whatever an interrupted teardown did to an earlier one (released, stopped,
     # seen gone) no longer says anything about the box, which is watched again and may hold new
     # claims. A later `down` goes through the gate; only a meter stop already sent is remembered.
     state.set_teardown(box, teardown.kept_by_up(state.teardown_steps(name)))
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
-
-
-def _durable_apart(ddir: Path, watch: list[Path], box_dir: Path) -> None:
-    """The durable dir may not overlap a watched dir (either way) nor the box's state: checked here,
-    before anything is created, so a refused `up` leaves nothing behind in a watched dir. Paths are
-    compared resolved, and directories also by (device, inode): a bind mount is another spelling
-    of the same directory that no path comparison sees."""
-    d = Path(os.path.realpath(ddir))
-    for w in [*watch, box_dir / "sidecar"]:
-        r = Path(os.path.realpath(w))
-        if d == r or r in d.parents or d in r.parents or same_dir_above(d, r) or same_dir_above(r, d):
-            raise UsageError(
-                f"the durable dir {ddir} overlaps {w}: the sidecar would claim (and copy) its own copies, or "
-                "the copies would live and die with what they protect; put it outside every watched dir"
-            )
 
 
 DURABLE_STORE_NAMES = frozenset(
@@ -280,31 +352,6 @@ DURABLE_STORE_NAMES = frozenset(
 RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR, REPLACED_DIR} | DURABLE_STORE_NAMES
 """With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's
 or the durable store's own (every file below would be unclaimable for good)."""
-
-
-def check_watch_spelling(given: Path, workdir: Path) -> None:
-    """A watched dir reached through a symlink is fixed to the link's target at `up`: re-pointing the
-    link (a `latest -> runs/r2` switch) would send new checkpoints where nobody watches. Refused for
-    a link below the workdir (a relative --watch) or at the watched dir itself (an absolute one)."""
-    base = workdir.absolute()
-    parts = given.relative_to(base).parts if given.is_relative_to(base) else (given.name,)
-    start = base if given.is_relative_to(base) else given.parent
-    cur = start
-    for part in parts:
-        cur = cur / part
-        if cur.is_symlink():
-            raise UsageError(
-                f"--watch {given}: {cur} is a symlink (to {os.readlink(cur)}); a watched dir is fixed at "
-                "`up`, so re-pointing the link would hide new checkpoints: watch the real directory "
-                f"({cur.resolve()}) or a directory above the link"
-            )
-    # The name the box will use: `.bw-parts/x/..` is `.bw-parts`.
-    name = given.resolve().name
-    if name in RESERVED_WATCH_NAMES or given.name in RESERVED_WATCH_NAMES:
-        raise UsageError(
-            f"--watch {given}: {name!r} is reserved for boxwarden's own files in a pulled tree or "
-            "the durable store; rename the directory"
-        )
 
 
 def check_exclude(pattern: str) -> None:
@@ -321,7 +368,7 @@ def check_exclude(pattern: str) -> None:
 
 
 def _same_claims(
-    name: str, old: Box | None, live: Box | None, watch: list[Path], ddir: Path, run_id: str | None
+    name: str, old: Box | None, live: Box | None, watch: list[str], ddir: str, run_id: str | None
 ) -> None:
     """A box that was not torn down keeps what it watches, where its copies go and its run: its
     claims are about those (its sidecar may have died silently; a new one must not change them).
@@ -330,12 +377,12 @@ def _same_claims(
         raise UsageError(f"run {run_id} was torn down; pick a new run id (--run-id)")
     if live is None:
         return
-    if {str(w) for w in watch} != set(live.watch):
+    if set(watch) != set(live.watch):
         raise UsageError(
             f"{name} watches {', '.join(live.watch)}; `down` it before watching other dirs "
             "(its claims are about those)"
         )
-    if ddir.resolve() != durable_dir(live.durable).resolve():  # the same dir, however spelled
+    if ddir != str(durable_dir(live.durable)):  # both resolved on the box: the same dir, however spelled
         raise UsageError(
             f"{name} keeps its durable copies in {live.durable}; `down` it before changing --durable "
             "(its claims are about those)"
@@ -359,10 +406,23 @@ class BoxStatus:
     health: pb.HealthSnapshot | None
     error: str = ""
 
+    def last_seen(self) -> str:
+        if not self.box.last_contact_ns:
+            return "never answered"
+        ago = max(0, time.time_ns() - self.box.last_contact_ns) // 1_000_000_000
+        return f"last seen {ago // 3600}h{ago // 60 % 60:02d}m{ago % 60:02d}s ago"
+
     def row(self) -> dict[str, object]:
         r: dict[str, object] = {"box": self.box.name, "profile": self.box.profile, "status": self.box.status}
+        if self.box.host:
+            r["host"] = self.box.host
         if self.hello is None or self.health is None:
-            r["sidecar"] = f"unreachable: {self.error}" if self.box.status == "up" else self.box.status
+            if self.box.status == "up":
+                r["sidecar"] = f"UNREACHABLE ({self.last_seen()}): {self.error}"
+                r["unreachable"] = True
+                r["last_contact_ns"] = self.box.last_contact_ns
+            else:
+                r["sidecar"] = self.box.status
             return r
         a = self.health.artifacts
         running = [j for j in self.health.jobs if j.state == pb.JOB_STATE_RUNNING]
@@ -381,21 +441,33 @@ class BoxStatus:
         return r
 
 
+STATUS_DEADLINE_S = 10.0
+"""How long `status` waits for one box; every box is asked at once, so a hung one costs no more."""
+
+
 async def status(state: State, names: Sequence[str]) -> list[BoxStatus]:
     boxes = [state.get(n) for n in names] if names else state.boxes()
-    out = []
-    for box in boxes:
+
+    async def one(box: Box) -> BoxStatus:
         if box.status != "up":
-            out.append(BoxStatus(box, None, None))
-            continue
+            return BoxStatus(box, None, None)
         try:
-            async with connect(box) as c:
-                hello = await c.hello(timeout_s=3.0)
-                health = await c.health_once()
-            out.append(BoxStatus(box, hello, health))
+            hello, health = await asyncio.wait_for(_ask(box), STATUS_DEADLINE_S)
+        except TimeoutError:
+            return BoxStatus(box, None, None, error=f"no answer within {STATUS_DEADLINE_S:.0f}s")
         except ControllerError as e:
-            out.append(BoxStatus(box, None, None, error=str(e)))
-    return out
+            return BoxStatus(box, None, None, error=str(e))
+        state.touch(box.name)
+        return BoxStatus(box.with_(last_contact_ns=time.time_ns()), hello, health)
+
+    return list(await asyncio.gather(*(one(b) for b in boxes)))
+
+
+async def _ask(box: Box) -> tuple[pb.HelloResponse, pb.HealthSnapshot]:
+    async with connect(box) as c:
+        hello = await c.hello(timeout_s=3.0)
+        health = await c.health_once()
+    return hello, health
 
 
 async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
@@ -426,8 +498,12 @@ async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: 
         )
     # The meter stop `down` would run must still be the one `up` accepted, and fillable: check it first.
     meterstop.plan(box_profile(box), box)
-    async with connect(box) as c:
-        ev, early = await gate.gather(c, box, pulled)
+    async with reach.link(box) as conn:
+        try:
+            async with SidecarClient(conn=conn) as c:
+                ev, early = await gate.gather(c, box, pulled)
+        except SidecarUnreachable as e:  # the link itself could not be built
+            ev, early = await gate.gather(None, box, pulled, unreachable=str(e))
     return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)
 
 
@@ -435,8 +511,12 @@ async def down(
     state: State, box: Box, verdict: gate.Verdict, manual_done: Callable[[str], Awaitable[bool]]
 ) -> teardown.TeardownResult:
     profile = box_profile(box)
-    async with connect(box) as c:
-        return await teardown.teardown(state, box, c, verdict, profile, manual_done)
+    async with reach.link(box) as conn:
+        async with SidecarClient(conn=conn) as c:
+            result = await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
+        if isinstance(conn, SshConnector):
+            await conn.exit_master()  # the box is torn down: its link goes too
+        return result
 
 
 async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:
@@ -444,6 +524,7 @@ async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:
         try:
             await c.hello()
         except SidecarUnreachable as e:
-            raise ControllerError(f"{e}; the job logs are in {box.box_dir}/sidecar/logs") from e
+            where = f" on {box.host}" if box.host else ""
+            raise ControllerError(f"{e}; the job logs are in {box.state_dir}/logs{where}") from e
         async for chunk in c.tail_log(job_id, follow=follow):
             yield chunk.data

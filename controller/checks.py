@@ -1,18 +1,19 @@
-"""The profile's checks at `up`, run where the sidecar runs (on the local profile: here).
+"""The profile's checks at `up`, decided here from facts established on the box.
 
-Each check returns findings; an `error` finding refuses `up` (the durable store is not usable), a
-`warn` finding is printed loudly and `up` goes on.
+The box-side checks (`durable_writable`, `inode_headroom`) run in `sidecar.launch start` and come
+back as findings; the tier check runs here, on the real paths the box resolved (`sidecar.launch
+resolve`). An `error` finding refuses `up`; a `warn` finding is printed loudly and `up` goes on.
 """
 
 from __future__ import annotations
 
-import os
-import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
-from controller.profiles import Profile
+from controller.profiles import Profile, Tier
+
+BOX_SIDE = ("durable_writable", "inode_headroom")
 
 
 @dataclass(frozen=True)
@@ -24,61 +25,47 @@ class Finding:
     def to_json(self) -> dict[str, str]:
         return {"level": self.level, "check": self.check, "message": self.message}
 
-
-def run_checks(profile: Profile, *, watch: list[Path], durable: Path, home: Path) -> list[Finding]:
-    out: list[Finding] = []
-    if "durable_writable" in profile.checks:
-        out.append(durable_writable(durable))
-    if "inode_headroom" in profile.checks:
-        out.append(inode_headroom(profile, durable))
-    if "watch_tier" in profile.checks:
-        out.extend(watch_tier(profile, watch, durable, home))
-    return out
+    @classmethod
+    def from_json(cls, d: Mapping[str, str]) -> Finding:
+        level = d["level"]
+        if level not in ("ok", "warn", "error"):
+            level = "error"
+        return cls(level, d["check"], d["message"])  # type: ignore[arg-type]
 
 
-def durable_writable(durable: Path) -> Finding:
-    """The durable directory exists and a file can be written, synced and removed there."""
-    probe = durable / f".boxwarden-probe-{uuid.uuid4().hex}"
-    try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.write(fd, b"probe")
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        probe.unlink()
-    except OSError as e:
-        return Finding(
-            "error",
-            "durable_writable",
-            f"cannot write to the durable directory {durable}: {e.strerror}; is the durable volume mounted "
-            "and writable?",
-        )
-    return Finding("ok", "durable_writable", f"{durable} is writable")
+def box_side_request(profile: Profile) -> dict[str, object]:
+    """What `sidecar.launch start` checks on the box for this profile."""
+    return {
+        "checks": [c for c in profile.checks if c in BOX_SIDE],
+        "inode_min_free": profile.inode_min_free,
+        "inode_cap": profile.inode_cap,
+    }
 
 
-def inode_headroom(profile: Profile, durable: Path) -> Finding:
-    try:
-        st = os.statvfs(durable)
-    except OSError as e:
-        return Finding("error", "inode_headroom", f"cannot stat {durable}: {e.strerror}")
-    cap = f" (platform cap {profile.inode_cap})" if profile.inode_cap else ""
-    if st.f_files and st.f_favail < profile.inode_min_free:
-        return Finding(
-            "warn",
-            "inode_headroom",
-            f"only {st.f_favail} inodes free on the durable filesystem{cap}: a push of many small files "
-            "can fail with 'No space left' while bytes remain",
-        )
-    return Finding("ok", "inode_headroom", f"{st.f_favail} inodes free on the durable filesystem{cap}")
+def tier_of(profile: Profile, real: str, tiers: Mapping[str, str]) -> Tier | None:
+    """The tier a box path (resolved on the box) lands on: the tier whose mount (resolved on the
+    box: `tiers` maps each tier's path to its real path there) is the longest prefix of it."""
+    best: tuple[int, Tier] | None = None
+    for t in profile.storage:
+        mount = tiers.get(t.path)
+        if mount is None:
+            continue
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) > best[0]):
+            best = (len(mount), t)
+    return best[1] if best else None
 
 
-def watch_tier(profile: Profile, watch: list[Path], durable: Path, home: Path) -> list[Finding]:
+def watch_tier(
+    profile: Profile, watch: list[str], durable: str, real: Mapping[str, str], tiers: Mapping[str, str]
+) -> list[Finding]:
     """Which storage tier each watched dir (and the durable dir) lands on, and whether it survives."""
+    if "watch_tier" not in profile.checks:
+        return []
     verb = profile.meter_stop.verb
     out: list[Finding] = []
     for label, path in [*(("checkpoints", w) for w in watch), ("durable copies", durable)]:
-        tier = profile.tier_for(str(path), str(home))
+        tier = tier_of(profile, real.get(path, path), tiers)
         if tier is None:
             out.append(Finding("ok", "watch_tier", f"{label} in {path}: on no tier this profile describes"))
             continue

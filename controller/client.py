@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from types import TracebackType
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
@@ -36,17 +36,45 @@ def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
     return SidecarRefused(f"{what}: {err.details()} ({code.name})", code.name)
 
 
+class Link(Protocol):
+    """What a client needs of a box's connector (controller.connector.Connector has it)."""
+
+    async def target(self) -> str: ...
+    def caller(self) -> pb.Caller | None: ...
+    async def reset(self) -> None: ...
+
+
+RECONNECT_BACKOFF_S = (0.5, 1.0, 2.0, 4.0)
+
+
 class SidecarClient:
-    def __init__(self, target: str, *, timeout_s: float = 10.0, caller: pb.Caller | None = None) -> None:
-        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock". caller: this process and its
-        ancestors when the sidecar runs on this machine (see pb.Caller and `lineage`)."""
+    def __init__(
+        self,
+        target: str = "",
+        *,
+        timeout_s: float = 10.0,
+        caller: pb.Caller | None = None,
+        conn: Link | None = None,
+    ) -> None:
+        """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock"; or `conn`, the box's connector,
+        which gives the target (and can build the link again: `reconnect`). caller: this process and
+        its ancestors when the sidecar runs on this machine (see pb.Caller and `lineage`)."""
         self.target = target
         self.timeout_s = timeout_s
         self.caller = caller
+        self.conn = conn
+        self.reconnects = 0
         self._channel: grpc.aio.Channel | None = None
         self._stub: sidecar_pb2_grpc.SidecarAsyncStub | None = None
 
     async def __aenter__(self) -> SidecarClient:
+        if self.conn is not None:
+            self.caller = self.conn.caller()
+            self.target = await self.conn.target()
+        self._open()
+        return self
+
+    def _open(self) -> None:
         self._channel = grpc.aio.insecure_channel(
             self.target,
             options=[
@@ -55,7 +83,20 @@ class SidecarClient:
             ],
         )
         self._stub = sidecar_pb2_grpc.SidecarStub(self._channel)
-        return self
+
+    async def reconnect(self) -> None:
+        """After a transport failure: wait a little (longer each time), build the link to the box
+        again and open a new channel on it. Raises SidecarUnreachable if the link cannot be built."""
+        wait = RECONNECT_BACKOFF_S[min(self.reconnects, len(RECONNECT_BACKOFF_S) - 1)]
+        self.reconnects += 1
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+        await asyncio.sleep(wait)
+        if self.conn is not None:
+            await self.conn.reset()
+            self.target = await self.conn.target()
+        self._open()
 
     async def __aexit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
@@ -180,6 +221,13 @@ class SidecarClient:
         ):
             return snap
         raise SidecarUnreachable("WatchHealth: the sidecar sent no snapshot")
+
+    def watch_events(self, after_seq: int, *, follow: bool) -> AsyncIterator[pb.Event]:
+        """The box's journal after `after_seq`; with `follow`, then new events as they happen (a
+        quiet box sends nothing for a long time: no idle limit then)."""
+        req = pb.WatchEventsRequest(after_seq=after_seq, replay_only=not follow)
+        idle = None if follow else STREAM_IDLE_S
+        return self._stream("WatchEvents", lambda: self.stub.WatchEvents(req), idle_s=idle)
 
     def read_artifact(self, path: str, offset: int, blake3: str) -> AsyncIterator[pb.ReadArtifactChunk]:
         req = pb.ReadArtifactRequest(path=path, offset=offset, blake3=blake3)

@@ -101,13 +101,13 @@ def sidecar_reason(e: ControllerError) -> Reason:
 
 
 async def gather(
-    client: SidecarClient | None, box: Box, pulled_dir: Path | None
+    client: SidecarClient | None, box: Box, pulled_dir: Path | None, *, unreachable: str = ""
 ) -> tuple[Evidence, list[Reason]]:
     ev = Evidence(box=box.name, pulled_dir=str(pulled_dir or ""))
     reasons: list[Reason] = []
     hello: pb.HelloResponse | None = None
     if client is None:
-        reasons.append(Reason("SIDECAR_UNREACHABLE", detail="no sidecar socket for this box"))
+        reasons.append(Reason("SIDECAR_UNREACHABLE", detail=unreachable or "no link to this box's sidecar"))
     else:
         try:
             hello = await client.hello()

@@ -62,6 +62,15 @@ def resolve_loose(path: Path | str) -> Path:
     return Path(os.path.normpath(os.path.join(os.path.realpath(here), *tail)))
 
 
+def this_boot_id() -> str:
+    """This machine's boot id; a box whose sidecar reports the same one runs under this kernel."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def file_url_path(url: str) -> Path | None:
     """The local directory of a file:// URL; None for any other scheme (or an empty URL)."""
     if not url:
@@ -80,6 +89,8 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
     directory, or the local path of its durable root (or durable URL): a tree that overlaps what it
     judges would be verified against itself, and `down` would delete the only copy.
     """
+    if hello.boot_id and hello.boot_id != this_boot_id():
+        return None  # the box is another machine (another kernel): its paths are not ours
     mine = resolve_loose(pulled)
     theirs: list[tuple[str, str]] = [(d, "watched directory") for d in hello.watch_dirs if d]
     if hello.state_dir:

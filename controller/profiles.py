@@ -104,19 +104,6 @@ class Profile:
         """Whether a tier's data is still there after this platform's meter-stop verb."""
         return tier.survives_destroy if self.meter_stop.irreversible else tier.survives_stop
 
-    def tier_for(self, path: str, home: str) -> Tier | None:
-        """The tier a box path lands on: the tier whose mount is the longest prefix of it. Both sides
-        are resolved (symlinks, `..`, `~` as `home`): a path reached through a symlink onto a tier
-        is on that tier."""
-        real = os.path.realpath(path)
-        best: tuple[int, Tier] | None = None
-        for t in self.storage:
-            mount = os.path.realpath(home + t.path[1:] if t.path.startswith("~") else t.path)
-            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-            if inside and (best is None or len(mount) > best[0]):
-                best = (len(mount), t)
-        return best[1] if best else None
-
 
 def placeholders(profile: Profile) -> set[str]:
     """The placeholders the profile's commands need."""

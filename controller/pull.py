@@ -59,7 +59,7 @@ from controller.overlap import check_claim_paths, destination_problem, overlap_p
 
 logger = logging.getLogger(__name__)
 
-ATTEMPTS = 3
+ATTEMPTS = 5
 Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
 Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
 
@@ -490,6 +490,8 @@ async def _fetch(
                     f"{claim.path}: the stream broke {ATTEMPTS} times ({e}); run pull again to resume"
                 ) from e
             logger.warning("%s: stream broke (%s), resuming", claim.path, e)
+            with contextlib.suppress(SidecarUnreachable):  # not yet: the next attempt tries again
+                await client.reconnect()
             continue
         if total == claim.size and digest == claim.blake3:
             return total - start

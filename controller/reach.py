@@ -1,28 +1,63 @@
-"""How the controller reaches a box's sidecar: its gRPC target and a connected client.
+"""How the controller reaches a box's sidecar: the box's connector and a connected client.
 
-Every box runs on this machine today, so the target is the sidecar's own socket and the sidecar
-may exempt this process's lineage from its stray scan. Kept apart from `controller.boxes` so that
-read-only commands (`artifacts`) load only what they use.
+A box on this machine is reached on its sidecar's own socket, and the sidecar may exempt this
+process's lineage from its stray scan; a remote box through its SSH connector (no exemption). Kept
+apart from `controller.boxes` so that read-only commands (`artifacts`) load only what they use.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller.client import SidecarClient, lineage
+from controller.client import SidecarClient
+from controller.connector import Connector, LocalConnector
 from controller.state import Box
 
+if TYPE_CHECKING:
+    from controller.ssh.connector import SshConnector
 
-def target(box: Box) -> str:
-    return f"unix:{box.socket}"
+
+def connector_for(box: Box) -> Connector:
+    """The box's connector: its sidecar's own socket here, or the SSH link to its box."""
+    if not box.host:
+        return LocalConnector(box.socket)
+    conn = ssh_connector(
+        box.host, box.ssh_options, box.ssh_config, home=Path(box.box_dir).parent.parent, name=box.name
+    )
+    conn.remote_socket = box.socket
+    conn.python = box.python
+    return conn
+
+
+def ssh_connector(
+    host: str, options: tuple[str, ...], ssh_config: str, *, home: Path, name: str
+) -> SshConnector:
+    """The SSH connector of box `name` of the controller state at `home` (box_dir is home/boxes/name)."""
+    from controller.ssh.argv import Destination
+    from controller.ssh.connector import SshConnector
+
+    return SshConnector(Destination(host, options, ssh_config), home=home, tag=name)
+
+
+@asynccontextmanager
+async def link(box: Box) -> AsyncIterator[Connector]:
+    conn = connector_for(box)
+    try:
+        yield conn
+    finally:
+        await conn.close()
 
 
 @asynccontextmanager
 async def connect(box: Box) -> AsyncIterator[SidecarClient]:
-    async with SidecarClient(target(box), caller=lineage()) as c:
+    """A client of the box's sidecar; it rebuilds the link itself after a transport failure
+    (`SidecarClient.reconnect`)."""
+    async with link(box) as conn, SidecarClient(conn=conn) as c:
         yield c
 
 

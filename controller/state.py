@@ -29,6 +29,9 @@ CREATE TABLE IF NOT EXISTS teardowns(
 CREATE TABLE IF NOT EXISTS teardown_steps(
     box TEXT NOT NULL, step TEXT NOT NULL, at_ns INTEGER NOT NULL, detail TEXT NOT NULL,
     PRIMARY KEY (box, step));
+CREATE TABLE IF NOT EXISTS events(
+    box TEXT NOT NULL, run_id TEXT NOT NULL, seq INTEGER NOT NULL, at_ns INTEGER NOT NULL,
+    record TEXT NOT NULL, PRIMARY KEY (box, run_id, seq));
 """  # every statement idempotent: opening a state DB of an older version adds what it lacks
 
 
@@ -61,6 +64,13 @@ class Box:
     profile_digest: str = ""  # blake3 of the profile text `up` accepted; `down` refuses another
     instance_id: str = ""  # the provider's id, for the meter-stop command's {instance_id}
     notices_shown: bool = False  # the platform's danger clocks were shown once for this box
+    # A remote box (empty host: this machine). `socket`, `state_dir`, `workdir` and `watch` are
+    # paths on the box; `box_dir` is the controller's own directory for it.
+    host: str = ""  # the SSH destination (an alias or user@host), checked at `up`
+    ssh_options: tuple[str, ...] = ()  # the user's --ssh-option KEY=VALUE, each checked
+    ssh_config: str = ""  # ssh -F FILE ($BOXWARDEN_SSH_CONFIG at `up`); empty: the user's own
+    python: str = ""  # the box-side python of the sidecar's venv (absolute, on the box)
+    last_contact_ns: int = 0  # when the sidecar last answered a command of this controller
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -68,7 +78,7 @@ class Box:
     @classmethod
     def from_json(cls, d: Mapping[str, object]) -> Box:
         data: dict[str, Any] = dict(d)
-        for key in ("watch", "roster", "exclude"):
+        for key in ("watch", "roster", "exclude", "ssh_options"):
             data[key] = tuple(data.get(key) or ())
         return cls(**data)
 
@@ -139,6 +149,13 @@ class State:
             if box is not None:
                 self._put(db, box.with_(pulled_dir=pulled_dir))
 
+    def touch(self, name: str) -> None:
+        """Record that the box's sidecar answered just now (`status` shows how long ago it last did)."""
+        with self._tx() as db:
+            box = self.find(name)
+            if box is not None:
+                self._put(db, box.with_(last_contact_ns=time.time_ns()))
+
     def get(self, name: str) -> Box:
         row = self._db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchone()
         if row is None:
@@ -155,6 +172,34 @@ class State:
     def boxes(self) -> list[Box]:
         rows = self._db.execute("SELECT record FROM boxes ORDER BY name").fetchall()
         return [Box.from_json(json.loads(r[0])) for r in rows]
+
+    def last_seq(self, box: str, run_id: str) -> int:
+        """The sequence number of the last event of the box's run kept here (0: none yet)."""
+        row = self._db.execute(
+            "SELECT MAX(seq) FROM events WHERE box = ? AND run_id = ?", (box, run_id)
+        ).fetchone()
+        return int(row[0] or 0)
+
+    def add_event(self, box: str, run_id: str, seq: int, at_ns: int, record: Mapping[str, object]) -> None:
+        """Keep one event of the box's journal. Events are added in order: a number at or below the
+        last one kept is a duplicate, and refused (StateError) rather than kept twice."""
+        with self._tx() as db:
+            last = db.execute(
+                "SELECT MAX(seq) FROM events WHERE box = ? AND run_id = ?", (box, run_id)
+            ).fetchone()[0]
+            if last is not None and seq <= last:
+                raise StateError(f"internal: event {seq} of {box} arrived after event {last}")
+            db.execute(
+                "INSERT INTO events(box, run_id, seq, at_ns, record) VALUES (?,?,?,?,?)",
+                (box, run_id, seq, at_ns, json.dumps(record, sort_keys=True)),
+            )
+
+    def events(self, box: str, run_id: str, after: int = 0) -> list[dict[str, Any]]:
+        rows = self._db.execute(
+            "SELECT record FROM events WHERE box = ? AND run_id = ? AND seq > ? ORDER BY seq",
+            (box, run_id, after),
+        ).fetchall()
+        return [json.loads(r[0]) for r in rows]
 
     def audit(self, box: str, record: Mapping[str, object]) -> int:
         """Append one teardown record (who confirmed, when, evidence digest, actions, results)."""

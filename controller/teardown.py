@@ -24,15 +24,17 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from controller import meterstop
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
+from controller.connector import Connector
 from controller.errors import ControllerError, GateRefused, Reason, SidecarUnreachable
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
-from controller.reach import target
+from controller.reach import connector_for
 from controller.state import Box, State, Step
 
 RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_gone", "meter_stop"
@@ -111,11 +113,14 @@ def unfinished(state: State, box: Box) -> Unfinished | None:
 
 async def sidecar_answers(box: Box, timeout_s: float = 3.0) -> bool:
     """Does the box's sidecar answer (any version)? If it does, something watches the box again."""
-    async with SidecarClient(target(box)) as c:
-        try:
+    conn = connector_for(box)
+    try:
+        async with SidecarClient(conn=conn) as c:
             await c.hello(timeout_s=timeout_s, check_version=False)
-        except SidecarUnreachable:
-            return False
+    except SidecarUnreachable:
+        return False
+    finally:
+        await conn.close()
     return True
 
 
@@ -125,6 +130,10 @@ def up_command(box: Box) -> str:
     argv += ["--profile-file", box.profile_file] if box.profile_file else ["--profile", box.profile]
     if box.instance_id:
         argv += ["--instance-id", box.instance_id]
+    if box.host:
+        argv += ["--host", box.host]
+        for opt in box.ssh_options:
+            argv += ["--ssh-option", opt]
     argv += ["--workdir", box.workdir]
     for w in box.watch:
         argv += ["--watch", w]
@@ -192,6 +201,7 @@ async def teardown(
     state: State,
     box: Box,
     client: SidecarClient,
+    conn: Connector,
     verdict: Verdict,
     profile: Profile,
     manual_done: Callable[[str], Awaitable[bool]],
@@ -231,11 +241,12 @@ async def teardown(
             )
         state.step(tearing, SHUTDOWN, f"pid {hello.pid}")
         await client.shutdown()
-        result.sidecar_gone = await wait_gone(box, hello.pid, deadline_s=20.0)
+        result.sidecar_gone = await wait_gone(box, conn, hello.pid, deadline_s=20.0)
         if not result.sidecar_gone:
+            where = f" on {box.host}" if box.host else ""
             raise ControllerError(
-                f"the sidecar of {box.name} (pid {hello.pid}) is still running after Shutdown; "
-                f"check `ps -p {hello.pid}` and its log in {box.box_dir}/sidecar.log"
+                f"the sidecar of {box.name} (pid {hello.pid}{where}) is still running after Shutdown; "
+                f"check `ps -p {hello.pid}`{where} and its log in {Path(box.state_dir).parent}/sidecar.log"
             )
         # Only now is it known that nothing watches (or seals) anything after the release: a
         # teardown stopped before this line never lets a later `down` skip the gate.

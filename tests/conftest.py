@@ -18,6 +18,8 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from tests.sshbox import ssh_box, sshd  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 
 

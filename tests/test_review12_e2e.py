@@ -529,7 +529,6 @@ def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it
     checkpoint on the box; training went on and wrote a file of the same name, whose copy the
     sidecar renamed over the released file's durable copy."""
     from controller.client import SidecarClient
-    from controller.reach import target
 
     p, pulled = pulled_box(bw, {"best.bin": V1, "other.bin": b"o"})
     digest = json.loads((pulled / "MANIFEST.json").read_text())["digest"]
@@ -540,7 +539,7 @@ def test_a_new_file_at_the_path_of_a_released_one_replaces_no_durable_copy_of_it
         state.close()
 
     async def release() -> list[str]:
-        async with SidecarClient(target(box)) as c:
+        async with SidecarClient(f"unix:{box.socket}") as c:
             return sorted((await c.release(digest)).deleted)
 
     assert asyncio.run(release()) == ["best.bin", "other.bin"]

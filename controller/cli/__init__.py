@@ -46,7 +46,19 @@ class BoundaryGroup(click.Group):
 
 # Each command's module, imported only when that command runs (or help lists them): a command pays
 # for its own imports, not for every other command's (the whole tree costs about 0.4 s).
-COMMANDS = ("up", "run", "stop", "status", "artifacts", "logs", "pull", "verify", "down", "profiles")
+COMMANDS = (
+    "up",
+    "run",
+    "stop",
+    "status",
+    "artifacts",
+    "logs",
+    "events",
+    "pull",
+    "verify",
+    "down",
+    "profiles",
+)
 
 
 class CommandsGroup(BoundaryGroup):

@@ -4,6 +4,7 @@ wait for its Hello, and show the platform's danger clocks the first time."""
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import click
@@ -21,22 +22,33 @@ from controller.state import exclusive
     type=click.Path(dir_okay=False, path_type=Path),
     help="Your own profile file, validated like a shipped one.",
 )
-@click.option("--host", help="SSH target of a remote box (not supported by this version).")
+@click.option(
+    "--host",
+    metavar="DEST",
+    help="The remote box's SSH destination: an alias from ~/.ssh/config, or user@host "
+    "($BOXWARDEN_SSH_CONFIG names another ssh_config file). Paths are then paths on the box.",
+)
+@click.option(
+    "--ssh-option",
+    "ssh_options",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="An ssh -o option for this box (repeat), e.g. Port=2222.",
+)
 @click.option(
     "--instance-id", help="The provider's id of this box (fills {instance_id} in the meter-stop command)."
 )
 @click.option(
     "--workdir",
-    type=click.Path(file_okay=False, path_type=Path),
     default=".",
     show_default=True,
-    help="Jobs' working directory; relative --watch dirs are under it.",
+    metavar="DIR",
+    help="Jobs' working directory; relative --watch dirs are under it (a remote box: default its home).",
 )
 @click.option(
     "--watch",
     "watch",
     multiple=True,
-    type=click.Path(path_type=Path),
     metavar="DIR",
     help="Checkpoint directory to watch (repeat).",
 )
@@ -60,9 +72,10 @@ def command(
     profile: str | None,
     profile_file: Path | None,
     host: str | None,
+    ssh_options: tuple[str, ...],
     instance_id: str | None,
-    workdir: Path,
-    watch: tuple[Path, ...],
+    workdir: str,
+    watch: tuple[str, ...],
     durable: str | None,
     run_id: str | None,
     roster: tuple[str, ...],
@@ -70,8 +83,6 @@ def command(
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
-    if host:
-        raise click.UsageError("--host (remote boxes over SSH) is not supported by this version")
     boxes.check_name(name)  # before its lock's path is made from it
     state = open_state()
     # Never while a `down` of the box runs: a sidecar started during its meter stop would watch
@@ -91,6 +102,9 @@ def command(
                 run_id=run_id,
                 roster=roster,
                 exclude=exclude,
+                host=host,
+                ssh_options=ssh_options,
+                ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
             )
         )
     if as_json:

@@ -17,16 +17,18 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import click
 import pytest
 from click.testing import CliRunner
 
 from controller import bootstrap, checks, meterstop, profiles, render, templates
+from controller.connector import LocalConnector
 from controller.errors import UsageError
 from controller.state import Box, State
 from controller.tomlfields import Fields
-from tests.conftest import Bw, pid_alive, wait_until
+from tests.conftest import REPO, Bw, pid_alive, wait_until
 from tests.controller.test_meter_stop import (
     audit,
     calls,
@@ -311,7 +313,21 @@ def test_a_durable_dir_whose_parent_is_missing_is_refused_and_nothing_is_created
 # -- 7. tiers are compared as resolved paths ---------------------------------------------------------
 
 
-def test_tier_for_resolves_the_tier_mount_and_home(tmp_path: Path) -> None:
+def box_resolve(request: dict[str, object], home: Path) -> dict[str, Any]:
+    """The box-side `sidecar.launch resolve`, run as the box runs it, with `home` as the box's home."""
+    env = {**os.environ, "HOME": str(home), "PYTHONPATH": f"{REPO}:{REPO / 'proto'}"}
+    out = subprocess.run(
+        [sys.executable, "-m", "sidecar.launch", "resolve"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout
+    return dict(json.loads(out.split("@@boxwarden-launch-begin@@")[1].split("@@boxwarden-launch-end@@")[0]))
+
+
+def test_tiers_are_resolved_on_the_box_mount_and_home(tmp_path: Path) -> None:
     real = tmp_path / "real"
     (real / "d").mkdir(parents=True)
     link = tmp_path / "link"
@@ -323,11 +339,21 @@ def test_tier_for_resolves_the_tier_mount_and_home(tmp_path: Path) -> None:
     f = tmp_path / "mine.toml"
     f.write_text(good.replace('path = "/data"', f"path = {json.dumps(str(link))}"))
     p = profiles.load_file(f)
-    assert p.tier_for(str(real / "d"), "/nowhere") is p.storage[0]
-    assert p.tier_for(str(link / "d"), "/nowhere") is p.storage[0]
+    req = {
+        "workdir": str(real),
+        "watch": ["d"],
+        "durable": str(link / "d" / "x"),
+        "state_dir": str(tmp_path / "s"),
+        "tiers": [t.path for t in p.storage],
+    }
+    facts = box_resolve({**req, "durable": str(tmp_path / "dur")}, tmp_path)
+    (watched,) = facts["watch"]
+    assert checks.tier_of(p, facts["real"][watched], facts["tiers"]) is p.storage[0]  # through the link
     f.write_text(good.replace('path = "/data"', 'path = "~/"'))
-    assert profiles.load_file(f).tier_for(str(real / "d"), str(home_link)) is not None
-    findings = checks.watch_tier(p, [], real / "d", Path("/nowhere"))
+    home_p = profiles.load_file(f)
+    facts = box_resolve({**req, "durable": str(tmp_path / "dur"), "tiers": ["~/"]}, home_link)
+    assert checks.tier_of(home_p, facts["real"][watched], facts["tiers"]) is home_p.storage[0]
+    findings = checks.watch_tier(p, [], str(real / "d"), {}, {p.storage[0].path: str(real)})
     assert findings[-1].level == "error" and "does NOT survive" in findings[-1].message
 
 
@@ -483,8 +509,8 @@ def test_an_up_interrupted_as_its_sidecar_answers_leaves_no_sidecar_running(
     real_hello = bootstrap._hello
     answered: list[int] = []
 
-    async def hello_then_ctrl_c(b: Box, timeout_s: float) -> Any:
-        answer = await real_hello(b, timeout_s=timeout_s)
+    async def hello_then_ctrl_c(conn: LocalConnector, timeout_s: float) -> Any:
+        answer = await real_hello(conn, timeout_s=timeout_s)
         if answer is not None:
             answered.append(answer.pid)
             raise KeyboardInterrupt  # the user's Ctrl-C, the moment the new sidecar answers
@@ -492,7 +518,10 @@ def test_an_up_interrupted_as_its_sidecar_answers_leaves_no_sidecar_running(
 
     monkeypatch.setattr(bootstrap, "_hello", hello_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
-        asyncio.run(bootstrap.up(box))
+        durable = str(Path(unquote(urlsplit(box.durable).path)))
+        asyncio.run(
+            bootstrap.up(box, LocalConnector(box.socket), {"durable_dir": durable, "own_default": True})
+        )
     (pid,) = answered
     assert not pid_alive(pid)
 

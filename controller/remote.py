@@ -1,0 +1,189 @@
+"""Bootstrap of a remote box: probe it, and give the sidecar its own venv there, installed from a
+wheelhouse this controller built (the box needs no package index).
+
+Round trips over the box's ControlMaster: one probe (python, platform, free space, existing venvs);
+when the venv for this wheelhouse is missing, one copy of the wheelhouse and one install. `up`
+then runs `sidecar.launch` with the venv's python (by absolute path: the login PATH is not the
+venv's).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from controller import __version__, wheelhouse
+from controller.connector import BEGIN, END, Connector
+from controller.errors import ControllerError, UsageError
+
+logger = logging.getLogger(__name__)
+
+STATE_ROOT = "~/.boxwarden"
+MIN_FREE_BYTES = 200 << 20  # the venv (about 60 MB) and the wheelhouse beside it while it installs
+MIN_FREE_INODES = 20_000
+NO_PYTHON = 97
+
+# Runs with whatever python3 the box has (3.6 and up must at least say what they are).
+PROBE = f"""
+import json, os, platform, sys, sysconfig
+root = os.path.expanduser(sys.argv[1])
+try:
+    libc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+except (AttributeError, ValueError, OSError):
+    libc = ""
+out = {{"executable": sys.executable, "python": "%d.%d.%d" % sys.version_info[:3],
+       "implementation": sys.implementation.name, "machine": platform.machine(), "libc": libc,
+       "gil_disabled": bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
+       "home": os.path.expanduser("~"), "root": root}}
+p = root
+while not os.path.exists(p):
+    p = os.path.dirname(p)
+st = os.statvfs(p)
+out["free_bytes"] = st.f_bavail * st.f_frsize
+out["free_inodes"] = st.f_favail if st.f_files else -1
+out["writable"] = os.access(p, os.W_OK | os.X_OK)
+out["writable_dir"] = p
+out["cgroup"] = "v2" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "v1"
+venvs = os.path.join(root, "venvs")
+out["venvs"] = sorted(d for d in (os.listdir(venvs) if os.path.isdir(venvs) else [])
+                      if os.path.exists(os.path.join(venvs, d, ".complete")))
+sys.stdout.write("\\n{BEGIN}\\n" + json.dumps(out) + "\\n{END}\\n")
+"""
+
+# $1 python, then the probe's arguments. Finds a python3 when the login PATH has none called so.
+FIND_PYTHON = (
+    "for py in python3 python3.13 python3.12 python3.11 python3.10 python3.9 python; do "
+    'if command -v "$py" >/dev/null 2>&1; then exec "$py" - "$@"; fi; done; '
+    f"echo 'no python3 on the box' >&2; exit {NO_PYTHON}"
+)
+
+INSTALL = """
+set -eu
+root=$1 digest=$2 py=$3 pipwhl=$4 spec=$5
+wheels="$root/wheels/$digest"
+tmp="$root/venvs/.new-$digest-$$"
+trap 'rm -rf "$tmp"' EXIT
+"$py" -m venv --without-pip "$tmp" || {
+  echo "cannot create a venv with $py: install its venv module" \
+    "(Debian/Ubuntu: apt-get install python3-venv)" >&2
+  exit 3; }
+PIP_CONFIG_FILE=/dev/null "$tmp/bin/python" "$wheels/$pipwhl/pip" install --isolated --no-input \
+  --quiet --no-cache-dir --disable-pip-version-check \
+  --no-index --find-links "$wheels" "$spec"
+touch "$tmp/.complete"
+if [ -e "$root/venvs/$digest" ]; then rm -rf "$tmp"; else mv "$tmp" "$root/venvs/$digest"; fi
+trap - EXIT
+rm -rf "$wheels"
+"""
+
+
+@dataclass(frozen=True)
+class Probe:
+    python: str  # the box's python3 (absolute)
+    version: str
+    platform: dict[str, Any]  # what wheelhouse.BoxPlatform.from_probe reads
+    home: str
+    root: str  # the state root on the box, `~` expanded
+    free_bytes: int
+    free_inodes: int
+    writable: bool
+    writable_dir: str
+    cgroup: str
+    venvs: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Probe:
+        return cls(
+            python=str(d["executable"]),
+            version=str(d["python"]),
+            platform=d,
+            home=str(d["home"]),
+            root=str(d["root"]),
+            free_bytes=int(d["free_bytes"]),
+            free_inodes=int(d["free_inodes"]),
+            writable=bool(d["writable"]),
+            writable_dir=str(d["writable_dir"]),
+            cgroup=str(d["cgroup"]),
+            venvs=tuple(d["venvs"]),
+        )
+
+
+def _answer(out: bytes) -> dict[str, Any] | None:
+    text = out.decode(errors="replace")
+    _, found, rest = text.partition(BEGIN)
+    body, end, _ = rest.partition(END)
+    return json.loads(body) if found and end else None
+
+
+async def probe(conn: Connector, dest: str, state_root: str = STATE_ROOT) -> Probe:
+    """One round trip: what python, platform and room the box has, and which venvs it already has."""
+    done = await conn.run(
+        ["/bin/sh", "-c", FIND_PYTHON, "sh", state_root], stdin=PROBE.encode(), timeout_s=60
+    )
+    if done.returncode == NO_PYTHON:
+        raise ControllerError(
+            f"{dest} has no python3 on its PATH: install Python 3.9 or newer there (e.g. `apt-get install -y "
+            "python3 python3-venv`, or a conda env on the login PATH), then run `up` again"
+        )
+    answer = _answer(done.stdout)
+    if done.returncode != 0 or answer is None:
+        err = done.stderr.decode(errors="replace").strip()[-800:]
+        raise ControllerError(f"probing {dest} failed (exit {done.returncode}): {err or 'no output'}")
+    return Probe.from_json(answer)
+
+
+def check_room(p: Probe, dest: str, need_bytes: int) -> None:
+    if not p.writable:
+        raise ControllerError(
+            f"{dest}: {p.writable_dir} is not writable, so the sidecar's state ({p.root}) cannot be "
+            "made there: make the home directory writable for the SSH user"
+        )
+    if p.free_bytes < need_bytes:
+        raise ControllerError(
+            f"{dest}: only {p.free_bytes >> 20} MiB free under {p.writable_dir}; the sidecar's venv needs "
+            f"{need_bytes >> 20} MiB: free some space there first"
+        )
+    if 0 <= p.free_inodes < MIN_FREE_INODES:
+        raise ControllerError(
+            f"{dest}: only {p.free_inodes} inodes free under {p.writable_dir}; the sidecar's venv needs "
+            f"about {MIN_FREE_INODES}: free some there first"
+        )
+
+
+async def ensure_venv(conn: Connector, dest: str, p: Probe, cache_root: Path, *, progress: Any = None) -> str:
+    """The box-side python of the sidecar's venv for this controller's wheelhouse, installed if the
+    box does not have it yet."""
+    plat = wheelhouse.BoxPlatform.from_probe(p.platform)
+    house = wheelhouse.build(plat, cache_root, progress=progress)
+    venv_python = f"{p.root}/venvs/{house.digest}/bin/python"
+    if house.digest in p.venvs:
+        return venv_python
+    files = [house.dir / name for name in house.wheels]
+    check_room(p, dest, MIN_FREE_BYTES + sum(f.stat().st_size for f in files))
+    logger.info("installing the sidecar's venv on %s (%d wheels)", dest, len(files))
+    await conn.put(files, f"{p.root}/wheels/{house.digest}")
+    spec = f"boxwarden-sidecar=={__version__}"
+    done = await conn.run(
+        ["/bin/sh", "-c", INSTALL, "sh", p.root, house.digest, p.python, house.pip_wheel, spec], timeout_s=600
+    )
+    if done.returncode != 0:
+        err = done.stderr.decode(errors="replace").strip()[-1500:]
+        raise ControllerError(f"installing the sidecar on {dest} failed (nothing was left running):\n{err}")
+    return venv_python
+
+
+def check_box_path(path: str, what: str) -> str:
+    """A path on the box as the user gave it: absolute or starting with `~` (the box's home)."""
+    if not (path.startswith("/") or path == "~" or path.startswith("~/")):
+        raise UsageError(f"{what} {path!r}: give a path on the box, absolute or under ~ (quote it: '~/ckpt')")
+    if ":" in path:
+        raise UsageError(f"{what} {path!r}: a ':' in a box path cannot travel through an SSH forward")
+    return path
+
+
+def quote(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)

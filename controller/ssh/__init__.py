@@ -1,0 +1,1 @@
+"""Remote boxes over the system's OpenSSH client: argv builders (pure) and the SSH connector."""

@@ -1,0 +1,126 @@
+"""Every `ssh` command line boxwarden runs, built by pure functions (and checked by unit tests).
+
+The user's OpenSSH does the work, so their `~/.ssh/config`, ProxyJump, agent and certificates
+apply. boxwarden adds only what keeps it from hanging (BatchMode: a prompt fails at once instead
+of waiting for a keyboard; keepalives; a connect timeout) and its multiplexing; it never sets
+anything about host keys, so host-key checking is exactly what the user configured. No remote
+command is ever passed unquoted: each argument goes through `shlex.quote`.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from controller.errors import UsageError
+
+# A destination as `ssh` takes it: an alias, host, user@host or ssh://user@host:port. No leading
+# `-` (it would be read as an option), no whitespace, no control characters.
+_DEST_BAD = re.compile(r"[\s\x00-\x1f\x7f-\x9f]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+_OPTION_KEY = re.compile(r"[A-Za-z][A-Za-z0-9]{0,63}")
+OWNED_OPTIONS = frozenset(
+    {
+        "batchmode",
+        "controlmaster",
+        "controlpath",
+        "controlpersist",
+        "exitonforwardfailure",
+        "streamlocalbindunlink",
+    }
+)
+"""Options boxwarden sets itself: a user's value for one would break the link or make it hang."""
+KEEPALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=4")
+CONNECT_TIMEOUT = "ConnectTimeout=15"
+CONTROL_PERSIST = "10m"
+
+
+def check_destination(dest: str) -> str:
+    if not dest or dest.startswith("-") or _DEST_BAD.search(dest):
+        raise UsageError(
+            f"--host {dest!r} is not an SSH destination: give an alias from ~/.ssh/config or user@host "
+            "(no leading '-', no spaces or control characters); put ssh options in --ssh-option KEY=VALUE"
+        )
+    return dest
+
+
+def check_option(text: str) -> tuple[str, str]:
+    """`KEY=VALUE` as `ssh -o` takes it, for an option boxwarden does not set itself."""
+    key, eq, value = text.partition("=")
+    if not eq or not _OPTION_KEY.fullmatch(key) or not value.strip() or _CONTROL.search(value):
+        raise UsageError(
+            f"--ssh-option {text!r}: give KEY=VALUE, e.g. --ssh-option Port=2222 (no control characters)"
+        )
+    if key.lower() in OWNED_OPTIONS:
+        raise UsageError(f"--ssh-option {key}: boxwarden sets {key} itself; leave it out")
+    return key, value
+
+
+@dataclass(frozen=True)
+class Destination:
+    """A box as `ssh` reaches it: the destination, the user's options, an ssh_config file."""
+
+    dest: str
+    options: tuple[str, ...] = ()  # KEY=VALUE, each checked
+    config: str = ""  # ssh -F FILE; empty: the user's own ~/.ssh/config
+
+    def base(self) -> list[str]:
+        argv = ["ssh"]
+        if self.config:
+            argv += ["-F", self.config]
+        for opt in self.options:  # the user's first: for most options ssh keeps the first value
+            argv += ["-o", opt]
+        argv += ["-o", "BatchMode=yes", "-o", CONNECT_TIMEOUT]
+        for opt in KEEPALIVE:
+            argv += ["-o", opt]
+        return argv
+
+
+def remote_command(argv: Sequence[str]) -> str:
+    """One command line for the box's login shell, every word quoted: it runs `argv` exactly."""
+    return "exec " + " ".join(shlex.quote(a) for a in argv)
+
+
+def master(d: Destination, control: str) -> list[str]:
+    """Start the ControlMaster in the background once authenticated (-f -N); it persists after the
+    last client leaves, so the next command of this box reuses it."""
+    return [
+        *d.base(),
+        "-o", "ControlMaster=yes",
+        "-o", f"ControlPath={control}",
+        "-o", f"ControlPersist={CONTROL_PERSIST}",
+        "-o", "StreamLocalBindUnlink=yes",
+        "-o", "ExitOnForwardFailure=yes",
+        "-f", "-N", "--", d.dest,
+    ]  # fmt: skip
+
+
+def control(d: Destination, control_path: str, op: str) -> list[str]:
+    """`ssh -O check|exit` on the box's master."""
+    return [*d.base(), "-o", f"ControlPath={control_path}", "-O", op, "--", d.dest]
+
+
+def forward(d: Destination, control_path: str, local: str, remote: str, *, cancel: bool = False) -> list[str]:
+    """Ask the master to forward the local Unix socket `local` to the box's socket `remote`."""
+    op = "cancel" if cancel else "forward"
+    return [*d.base(), "-o", f"ControlPath={control_path}", "-O", op, "-L", f"{local}:{remote}", "--", d.dest]
+
+
+def command(d: Destination, remote_argv: Sequence[str], control_path: str | None) -> list[str]:
+    """Run `remote_argv` on the box, through the master when there is one."""
+    mux = ["-o", f"ControlPath={control_path}", "-o", "ControlMaster=no"] if control_path else []
+    return [*d.base(), *mux, "-T", "--", d.dest, remote_command(remote_argv)]
+
+
+def tunnel(d: Destination, port: int, remote: str) -> list[str]:
+    """A forward of its own from a loopback TCP port to the box's socket (no ControlMaster: what
+    OpenSSH on Windows can do)."""
+    return [
+        *d.base(),
+        "-o", "ExitOnForwardFailure=yes",
+        "-o", "ControlMaster=no",
+        "-o", "ControlPath=none",
+        "-N", "-L", f"127.0.0.1:{port}:{remote}", "--", d.dest,
+    ]  # fmt: skip

@@ -1,0 +1,325 @@
+"""SshConnector: a box reached through the system's OpenSSH client.
+
+Two modes, chosen per platform (`BOXWARDEN_SSH_MODE` overrides):
+- `master` (POSIX): one ControlMaster per box, persisted across commands, with a forward of a local
+  Unix socket (0700 dir under $BOXWARDEN_HOME) to the sidecar's socket on the box. Commands and
+  copies are multiplexed over it.
+- `tcp` (what Windows' OpenSSH can do): no master; a forward process of its own from a loopback
+  TCP port, and a connection per command.
+
+A transport failure (ssh exit 255) proves only that the transport failed: it is raised as
+SidecarUnreachable, never read as a fact about the box. A host key that is unknown or changed, or
+a login that would need a prompt, is a ControllerError that says what to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import io
+import logging
+import os
+import re
+import signal
+import socket
+import tarfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import blake3
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller.connector import Completed
+from controller.errors import ControllerError, SidecarUnreachable
+from controller.ssh import argv as sshargv
+
+logger = logging.getLogger(__name__)
+
+MAX_SUN_PATH = 100  # bytes; ssh adds ".XXXXXXXXXXXXXXXX" to a ControlPath while it binds it
+SSH_FAILED = 255
+MODES = ("master", "tcp")
+
+
+def default_mode(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    mode = env.get("BOXWARDEN_SSH_MODE") or ("tcp" if os.name == "nt" else "master")
+    if mode not in MODES:
+        raise ControllerError(f"BOXWARDEN_SSH_MODE={mode!r}: use one of {', '.join(MODES)}")
+    return mode
+
+
+def link_dir(home: Path) -> Path:
+    """The 0700 directory of the controller-side sockets (control socket, forwarded socket): under
+    $BOXWARDEN_HOME when the paths fit in sun_path, else under /tmp/boxwarden-<uid>."""
+    natural = home / "l"
+    if len(os.fsencode(natural)) + 40 <= MAX_SUN_PATH:
+        return natural
+    return Path(f"/tmp/boxwarden-{os.getuid()}")
+
+
+def _private_dir(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = d.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ControllerError(
+            f"{d} must be a directory of yours with mode 0700 (the SSH link's sockets live there)"
+        )
+    return d
+
+
+def explain(dest: str, stderr: str) -> ControllerError:
+    """What an ssh failure means for the user, and what to run."""
+    text = stderr.strip()
+    last = "\n".join(text.splitlines()[-6:])
+    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in text or ("Host key for" in text and "has changed" in text):
+        return ControllerError(
+            f"the SSH host key of {dest} has CHANGED since you last connected; boxwarden refuses to use it. "
+            f"If you know why (the box was re-created), remove the old key with `ssh-keygen -R HOST` and "
+            f"connect once with `ssh {dest}` to check the new one.\nssh said: {last}"
+        )
+    if "host key is known" in text or "Host key verification failed" in text:
+        return ControllerError(
+            f"the SSH host key of {dest} is not known here, and boxwarden never accepts one for you: "
+            f"connect once with `ssh {dest}`, check the fingerprint, accept it, then run this again.\n"
+            f"ssh said: {last}"
+        )
+    if "Permission denied" in text or "passphrase" in text.lower() or "password" in text.lower():
+        return ControllerError(
+            f"ssh cannot log in to {dest} without a prompt (boxwarden runs ssh with BatchMode=yes): load "
+            f"your key into ssh-agent (`ssh-add`) or name it with IdentityFile in ~/.ssh/config.\n"
+            f"ssh said: {last}"
+        )
+    return SidecarUnreachable(f"ssh to {dest} failed: {last or 'no message'}")
+
+
+class SshConnector:
+    local = False
+
+    def __init__(
+        self,
+        dest: sshargv.Destination,
+        *,
+        home: Path,
+        tag: str,
+        remote_socket: str = "",
+        python: str = "",
+        mode: str | None = None,
+    ) -> None:
+        """tag: a short name for this box's controller-side sockets (unique per box and home)."""
+        self.dest = dest
+        self.mode = mode or default_mode()
+        self.remote_socket = remote_socket
+        self.python = python
+        key = blake3.blake3(f"{home}\0{tag}".encode()).hexdigest()[:16]
+        self._dir = link_dir(home)
+        self.control_path = str(self._dir / f"{key}.cm")
+        self.local_socket = str(self._dir / f"{key}.gs")
+        self._lock = self._dir / f"{key}.lock"
+        self._log = self._dir / f"{key}.log"
+        self._tunnel: asyncio.subprocess.Process | None = None
+        self._port = 0
+        self._forwarded = False
+
+    # -- the link ---------------------------------------------------------------------------
+
+    async def _ssh(self, argv: list[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
+        logger.debug("ssh: %s", " ".join(argv))
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # a Ctrl-C of the CLI reaches ssh through us, not by itself
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+        except TimeoutError:
+            _kill(proc)
+            await proc.wait()
+            raise SidecarUnreachable(
+                f"ssh to {self.dest.dest} did not finish within {timeout_s:.0f}s"
+            ) from None
+        except BaseException:
+            if proc.returncode is None:
+                _kill(proc)
+                await proc.wait()
+            raise
+        assert proc.returncode is not None
+        return Completed(proc.returncode, out, err)
+
+    async def master_pid(self) -> int | None:
+        """The pid of this box's live ControlMaster, or None."""
+        if self.mode != "master" or not os.path.exists(self.control_path):
+            return None
+        done = await self._ssh(sshargv.control(self.dest, self.control_path, "check"), timeout_s=15)
+        m = re.search(rb"pid=(\d+)", done.stderr)
+        return int(m.group(1)) if done.returncode == 0 and m else None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One master start per box at a time (two `status` at once must not start two masters)."""
+        fd = os.open(self._lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    async def _ensure_master(self) -> None:
+        _private_dir(self._dir)
+        if await self.master_pid() is not None:
+            return
+        with self._locked():
+            if await self.master_pid() is not None:
+                return
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.control_path)  # a dead master's socket: ssh would not bind over it
+            self._forwarded = False
+            log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                # The master runs on in the background with our stderr: a file, never a pipe
+                # (a pipe would stay open, and a reader would wait for its end forever).
+                proc = await asyncio.create_subprocess_exec(
+                    *sshargv.master(self.dest, self.control_path),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            finally:
+                os.close(log)
+            try:
+                code = await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                _kill(proc)
+                await proc.wait()
+                raise SidecarUnreachable(f"ssh to {self.dest.dest} did not connect within 60s") from None
+            if code != 0:
+                raise explain(self.dest.dest, self._log.read_text(errors="replace"))
+
+    async def target(self) -> str:
+        if not self.remote_socket:
+            raise ControllerError("internal: the box's socket is not known yet")
+        if self.mode == "tcp":
+            return await self._tcp_target()
+        await self._ensure_master()
+        if not self._forwarded:
+            argv = sshargv.forward(self.dest, self.control_path, self.local_socket, self.remote_socket)
+            done = await self._ssh(argv, timeout_s=30)
+            if done.returncode != 0:
+                raise explain(self.dest.dest, done.stderr.decode(errors="replace"))
+            self._forwarded = True
+        return f"unix:{self.local_socket}"
+
+    async def _tcp_target(self) -> str:
+        if self._tunnel is not None and self._tunnel.returncode is None:
+            return f"ipv4:127.0.0.1:{self._port}"
+        for _attempt in range(3):
+            self._port = _free_port()
+            _private_dir(self._dir)
+            log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                self._tunnel = await asyncio.create_subprocess_exec(
+                    *sshargv.tunnel(self.dest, self._port, self.remote_socket),
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=log,
+                    start_new_session=True,
+                )
+            finally:
+                os.close(log)
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 60
+            while loop.time() < deadline:
+                if self._tunnel.returncode is not None:
+                    break
+                if _port_open(self._port):
+                    return f"ipv4:127.0.0.1:{self._port}"
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._tunnel.wait(), 0.05)
+            else:
+                await self._end_tunnel()
+                raise SidecarUnreachable(f"the SSH forward to {self.dest.dest} did not open within 60s")
+            text = self._log.read_text(errors="replace")
+            if "Address already in use" not in text:  # lost the port race: another try
+                raise explain(self.dest.dest, text)
+        raise SidecarUnreachable(f"the SSH forward to {self.dest.dest} found no free local port")
+
+    async def tunnel_pid(self) -> int | None:
+        return self._tunnel.pid if self._tunnel is not None and self._tunnel.returncode is None else None
+
+    def caller(self) -> pb.Caller | None:
+        return None  # the sidecar's box is not this machine: nothing here is exempt from its scans
+
+    async def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
+        cp = None
+        if self.mode == "master":
+            await self._ensure_master()
+            cp = self.control_path
+        done = await self._ssh(sshargv.command(self.dest, argv, cp), stdin=stdin, timeout_s=timeout_s)
+        if done.returncode == SSH_FAILED:
+            raise explain(self.dest.dest, done.stderr.decode(errors="replace"))
+        return done
+
+    async def put(self, files: Sequence[Path], remote_dir: str, *, timeout_s: float = 600.0) -> None:
+        """A tar stream over the link into `remote_dir` (the box needs only `tar`)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for f in files:
+                tar.add(f, arcname=f.name, recursive=False)
+        script = 'mkdir -p -m 700 "$1" && exec tar -x -C "$1" -f -'
+        done = await self.run(
+            ["/bin/sh", "-c", script, "sh", remote_dir], stdin=buf.getvalue(), timeout_s=timeout_s
+        )
+        if done.returncode != 0:
+            raise ControllerError(
+                f"copying {len(files)} files to {self.dest.dest}:{remote_dir} failed: "
+                f"{done.stderr.decode(errors='replace').strip()[-500:]}"
+            )
+
+    async def reset(self) -> None:
+        self._forwarded = False
+        if self.mode == "tcp":
+            await self._end_tunnel()
+            return
+        pid = await self.master_pid()
+        if pid is None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.control_path)
+
+    async def _end_tunnel(self) -> None:
+        if self._tunnel is not None and self._tunnel.returncode is None:
+            _kill(self._tunnel, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self._tunnel.wait(), 5)
+            except TimeoutError:
+                _kill(self._tunnel)
+                await self._tunnel.wait()
+        self._tunnel = None
+
+    async def close(self) -> None:
+        """End what this connector started for one command; a master persists for the next."""
+        await self._end_tunnel()
+
+    async def exit_master(self) -> None:
+        """Close the box's ControlMaster (at the end of `down`)."""
+        await self._end_tunnel()
+        if self.mode == "master" and os.path.exists(self.control_path):
+            await self._ssh(sshargv.control(self.dest, self.control_path, "exit"), timeout_s=15)
+
+
+def _kill(proc: asyncio.subprocess.Process, sig: int = signal.SIGKILL) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(sig)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex(("127.0.0.1", port)) == 0

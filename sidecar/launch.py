@@ -1,0 +1,498 @@
+"""The box-side half of `up`: every fact about the box's disks, and the sidecar's start, established
+on the box itself (the controller may run on another machine; it asks through its connector).
+
+Run as `python -m sidecar.launch VERB` with one JSON request on stdin; the answer is one JSON object
+on stdout between two marker lines (a login shell may print a banner first). Verbs:
+
+- `resolve`: check the directories `up` was given as the box sees them (symlinks, reserved names,
+  files in the way, pseudo-filesystems, the durable dir apart from every watched dir and the state
+  dir) and answer their real paths, and those of the profile's tier mounts. Creates nothing.
+- `start`: create the watched and durable dirs, check the durable dir can be written and has inodes
+  to spare, write the sidecar's config (0600) and start the sidecar detached in its own session,
+  unless a sidecar already holds this state dir; answer its pid once its socket accepts connections.
+- `gone`: whether the sidecar of a state dir has ended (its lock is free and its pid is dead).
+- `stop`: SIGTERM (then SIGKILL) the sidecar this state dir's lock names, for an `up` that failed.
+
+A refusal answers {"refused": "usage" | "error", "message": ...}: "usage" is a wrong argument the user
+can fix (the CLI exits 2), "error" a box that cannot take the sidecar (exit 1). Runs on Python 3.9+.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sidecar.mounts import unescape
+
+BEGIN = "@@boxwarden-launch-begin@@"
+END = "@@boxwarden-launch-end@@"
+START_DEADLINE_S = 30.0
+STOP_DEADLINE_S = 15.0
+
+# Filesystems that hold no files of their own (the controller's pull checks know the same list).
+PSEUDO_FILESYSTEMS = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "pstore",
+        "bpf",
+        "configfs",
+        "fusectl",
+        "mqueue",
+        "efivarfs",
+        "binfmt_misc",
+        "autofs",
+        "nsfs",
+    }
+)
+_PSEUDO_PREFIXES = ("/proc", "/sys", "/dev")
+
+Request = dict[str, Any]
+
+
+class Refused(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def usage(message: str) -> Refused:
+    return Refused("usage", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# paths
+
+
+def expand(path: str) -> Path:
+    """A path the controller wrote as the user gave it: `~` is this box's home."""
+    return Path(os.path.expanduser(path))
+
+
+def resolve_loose(path: Path) -> Path:
+    """The real path `path` names: symlinks resolved in its deepest existing ancestor, the rest
+    (which does not exist yet) appended as written."""
+    here = Path(os.path.join(os.getcwd(), os.fspath(path)))
+    tail: list[str] = []
+    while not os.path.lexists(here) and here != here.parent:
+        tail.insert(0, here.name)
+        here = here.parent
+    return Path(os.path.normpath(os.path.join(os.path.realpath(here), *tail)))
+
+
+def _fs_type(real: Path) -> str | None:
+    """The type of the filesystem mounted last at the deepest mount point above `real`."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best: tuple[int, str] | None = None
+    for line in lines:
+        fields = line.split()
+        try:
+            sep = fields.index("-")
+            point = unescape(fields[4])
+            fstype = fields[sep + 1]
+        except (ValueError, IndexError):
+            continue
+        inside = str(real) == point or str(real).startswith(point.rstrip("/") + "/")
+        depth = len(Path(point).parts)
+        if inside and (best is None or depth >= best[0]):
+            best = (depth, fstype)
+    return best[1] if best else None
+
+
+def pseudo_filesystem(path: Path) -> str | None:
+    real = resolve_loose(path)
+    fs = _fs_type(real)
+    if fs in PSEUDO_FILESYSTEMS:
+        return fs
+    if fs is None and any(str(real) == p or str(real).startswith(p + "/") for p in _PSEUDO_PREFIXES):
+        return "system"
+    return None
+
+
+def same_dir_above(path: Path, other: Path) -> bool:
+    """Is the directory `other` `path` itself or one of its ancestors, by (device, inode)? A bind
+    mount is another path to the same directory, which no comparison of paths sees."""
+    try:
+        st = other.stat()
+    except OSError:
+        return False
+    for p in (path, *path.parents):
+        try:
+            mine = p.stat()
+        except OSError:
+            continue
+        if (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+            return True
+    return False
+
+
+def check_dir_target(path: Path, what: str) -> None:
+    """`path` is a directory or can become one: it is not a file, and neither is its nearest
+    existing ancestor (`FILE/sub` can never be made)."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "" if probe == path else f" (it is under {probe}, which is not a directory)"
+        raise usage(f"{what} {path} is not a directory{where}; give a directory")
+
+
+def check_real_filesystem(path: Path, what: str) -> None:
+    kind = pseudo_filesystem(path)
+    if kind is not None:
+        raise usage(
+            f"{what} {path} is on a {kind} pseudo-filesystem, which stores no files: give a directory "
+            "on a real filesystem"
+        )
+
+
+def check_watch_spelling(given: Path, workdir: Path, reserved: frozenset[str]) -> None:
+    """A watched dir reached through a symlink is fixed to the link's target at `up`: re-pointing the
+    link (a `latest -> runs/r2` switch) would send new checkpoints where nobody watches. Refused for
+    a link below the workdir (a relative --watch) or at the watched dir itself (an absolute one)."""
+    base = workdir.absolute()
+    inside = given == base or base in given.parents
+    parts = given.relative_to(base).parts if inside else (given.name,)
+    cur = base if inside else given.parent
+    for part in parts:
+        cur = cur / part
+        if cur.is_symlink():
+            raise usage(
+                f"--watch {given}: {cur} is a symlink (to {os.readlink(cur)}); a watched dir is fixed at "
+                "`up`, so re-pointing the link would hide new checkpoints: watch the real directory "
+                f"({cur.resolve()}) or a directory above the link"
+            )
+    # The name the box will use: `.bw-parts/x/..` is `.bw-parts`.
+    name = given.resolve().name
+    if name in reserved or given.name in reserved:
+        raise usage(
+            f"--watch {given}: {name!r} is reserved for boxwarden's own files in a pulled tree or "
+            "the durable store; rename the directory"
+        )
+
+
+def durable_apart(ddir: Path, watch: list[Path], state_dir: Path) -> None:
+    """The durable dir may not overlap a watched dir (either way) nor the box's state. Paths are
+    compared resolved, and directories also by (device, inode): a bind mount is another spelling
+    of the same directory that no path comparison sees."""
+    d = Path(os.path.realpath(ddir))
+    for w in [*watch, state_dir]:
+        r = Path(os.path.realpath(w))
+        if d == r or r in d.parents or d in r.parents or same_dir_above(d, r) or same_dir_above(r, d):
+            raise usage(
+                f"the durable dir {ddir} overlaps {w}: the sidecar would claim (and copy) its own copies, or "
+                "the copies would live and die with what they protect; put it outside every watched dir"
+            )
+
+
+def resolve(req: Request) -> Request:
+    """Check the directories as the box sees them; answer their real paths. Creates nothing."""
+    reserved = frozenset(req.get("reserved", ()))
+    workdir_given = expand(req["workdir"])
+    for w in req["watch"]:
+        given = expand(w)
+        check_watch_spelling(
+            given if given.is_absolute() else workdir_given.absolute() / given, workdir_given, reserved
+        )
+    workdir = workdir_given.resolve()
+    check_dir_target(workdir, "--workdir")
+    watch = [(expand(w) if expand(w).is_absolute() else workdir / w).resolve() for w in req["watch"]]
+    for w in watch:
+        check_dir_target(w, "--watch")
+    ddir = expand(req["durable"])
+    if not ddir.is_absolute():
+        raise usage(f"the durable path {req['durable']} is not absolute; give file:///absolute/dir")
+    state_dir = expand(req["state_dir"])
+    for path, what in [(workdir, "--workdir"), *((w, "--watch") for w in watch), (ddir, "--durable")]:
+        check_real_filesystem(path, what)
+    durable_apart(ddir, watch, state_dir)
+    home = os.path.expanduser("~")
+    tiers = {t: os.path.realpath(os.path.expanduser(t)) for t in req.get("tiers", ())}
+    return {
+        "workdir": str(workdir),
+        "watch": [str(w) for w in watch],
+        "durable": str(resolve_loose(ddir)),
+        "state_dir": str(resolve_loose(state_dir)),
+        "home": home,
+        "tiers": tiers,
+        "real": {str(p): os.path.realpath(p) for p in [*watch, ddir]},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# start
+
+
+def prepare_durable(ddir: Path, *, own_default: bool) -> None:
+    """Make the durable directory ready without ever creating a durable volume's parent: a missing
+    parent is an unmounted volume, and creating it would put the copies on the box's own disk.
+    Only the default durable dir (under the box's own state dir) may be created with its parents."""
+    if ddir.exists() and not ddir.is_dir():
+        raise usage(f"the durable path {ddir} is not a directory; give --durable file:///DIR of one")
+    if not own_default and not ddir.is_dir():
+        parent = ddir.parent
+        if parent.exists() and not parent.is_dir():
+            raise usage(f"the durable path's parent {parent} is not a directory; give a directory")
+        if not parent.is_dir():
+            raise usage(
+                f"the durable directory's parent {parent} does not exist: mount the durable volume "
+                f"(or create {parent}) first"
+            )
+    try:
+        ddir.mkdir(parents=own_default, exist_ok=True)
+    except OSError as e:
+        raise usage(f"cannot create the durable directory {ddir}: {e.strerror}") from e
+
+
+def finding(level: str, check: str, message: str) -> dict[str, str]:
+    return {"level": level, "check": check, "message": message}
+
+
+def durable_writable(durable: Path) -> dict[str, str]:
+    """The durable directory exists and a file can be written, synced and removed there."""
+    probe = durable / f".boxwarden-probe-{uuid.uuid4().hex}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"probe")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as e:
+        return finding(
+            "error",
+            "durable_writable",
+            f"cannot write to the durable directory {durable}: {e.strerror}; is the durable volume mounted "
+            "and writable?",
+        )
+    return finding("ok", "durable_writable", f"{durable} is writable")
+
+
+def inode_headroom(durable: Path, min_free: int, cap: int | None) -> dict[str, str]:
+    try:
+        st = os.statvfs(durable)
+    except OSError as e:
+        return finding("error", "inode_headroom", f"cannot stat {durable}: {e.strerror}")
+    capped = f" (platform cap {cap})" if cap else ""
+    if st.f_files and st.f_favail < min_free:
+        return finding(
+            "warn",
+            "inode_headroom",
+            f"only {st.f_favail} inodes free on the durable filesystem{capped}: a push of many small files "
+            "can fail with 'No space left' while bytes remain",
+        )
+    return finding("ok", "inode_headroom", f"{st.f_favail} inodes free on the durable filesystem{capped}")
+
+
+def holder(state_dir: Path) -> int | None:
+    """The pid of the sidecar that holds this state dir's lock, or None if none does. 0: one holds
+    it but its pid file cannot be read."""
+    lock = state_dir / "sidecar.lock"
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise Refused("error", f"cannot open {lock}: {e.strerror}") from e
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                return int((state_dir / "sidecar.pid").read_text().strip())
+            except (OSError, ValueError):
+                return 0
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write `path` 0600 atomically (the config names the box's paths; nothing secret, but ours)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"(cannot read {path}: {e.strerror})"
+
+
+def _answers(sock: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.settimeout(1.0)
+        s.connect(str(sock))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def start(req: Request) -> Request:
+    """Create the dirs, check the durable dir, then start the sidecar unless one holds the state dir."""
+    cfg = req["config"]
+    ddir = Path(req["durable_dir"])
+    prepare_durable(ddir, own_default=bool(req.get("own_default")))
+    for w in cfg["watchDirs"]:
+        try:
+            Path(w).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise usage(f"cannot create the watched directory {w}: {e.strerror}") from e
+    checks = set(req.get("checks", ()))
+    findings = []
+    if "durable_writable" in checks:
+        findings.append(durable_writable(ddir))
+    if "inode_headroom" in checks:
+        findings.append(inode_headroom(ddir, int(req.get("inode_min_free", 0)), req.get("inode_cap")))
+    errors = [f["message"] for f in findings if f["level"] == "error"]
+    if errors:
+        raise Refused("error", "; ".join(errors))
+    state_dir = Path(cfg["stateDir"])
+    running = holder(state_dir)
+    if running is not None:
+        return {"findings": findings, "running": running}
+    if not req.get("start", True):
+        return {"findings": findings}
+    cfg_path = Path(req["config_path"])
+    log_path = Path(req["log_path"])
+    _write_private(cfg_path, json.dumps(cfg, indent=2).encode())
+    log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "--config", str(cfg_path)],
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # setsid: no hangup when the SSH session that started it ends
+            close_fds=True,
+            cwd="/",
+        )
+    finally:
+        os.close(log_fd)
+    sock = Path(cfg["socketPath"])
+    deadline = time.monotonic() + float(req.get("deadline_s", START_DEADLINE_S))
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            raise Refused(
+                "error",
+                f"the sidecar exited with status {code} while starting; its log says:\n{tail(log_path)}",
+            )
+        if _answers(sock):
+            return {"findings": findings, "started": proc.pid}
+        time.sleep(0.05)
+    _stop(proc.pid)
+    raise Refused(
+        "error",
+        f"the sidecar did not answer within {START_DEADLINE_S:.0f}s (stopped it); its log says:\n"
+        f"{tail(log_path)}",
+    )
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+
+
+def _stop(pid: int) -> bool:
+    """SIGTERM, then SIGKILL after the deadline; True once the process is gone."""
+    for sig, wait in ((signal.SIGTERM, STOP_DEADLINE_S), (signal.SIGKILL, 5.0)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not _pid_alive(pid):
+                return True
+            time.sleep(0.05)
+    return not _pid_alive(pid)
+
+
+def gone(req: Request) -> Request:
+    state_dir = Path(req["state_dir"])
+    pid = int(req.get("pid", 0))
+    held = holder(state_dir)
+    return {"gone": held is None and not _pid_alive(pid), "holder": held}
+
+
+def stop(req: Request) -> Request:
+    pid = holder(Path(req["state_dir"]))
+    if pid is None:
+        return {"stopped": True}
+    if pid <= 0:
+        raise Refused("error", f"a sidecar holds {req['state_dir']} but its pid file cannot be read")
+    return {"stopped": _stop(pid), "pid": pid}
+
+
+VERBS: dict[str, Callable[[Request], Request]] = {
+    "resolve": resolve,
+    "start": start,
+    "gone": gone,
+    "stop": stop,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in VERBS:
+        print(f"usage: python -m sidecar.launch {{{'|'.join(VERBS)}}} < request.json", file=sys.stderr)
+        return 2
+    try:
+        out = VERBS[args[0]](json.loads(sys.stdin.read()))
+    except Refused as e:
+        out = {"refused": e.kind, "message": str(e)}
+    except OSError as e:
+        what = errno.errorcode.get(e.errno or 0, "error")
+        out = {"refused": "error", "message": f"{e.filename or 'the box'}: {e.strerror or e} ({what})"}
+    sys.stdout.write(f"\n{BEGIN}\n{json.dumps(out)}\n{END}\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
