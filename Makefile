@@ -22,6 +22,7 @@ sysdeps:
 	test -x /usr/sbin/sshd || missing="$$missing openssh-server"; \
 	command -v tmux >/dev/null || missing="$$missing tmux"; \
 	ldconfig -p | grep -q 'libfuse\.so\.2 ' || missing="$$missing libfuse2"; \
+	/usr/bin/python3 -c 'import ensurepip' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
 	    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from bench import hashing, push, scale
+from bench import hashing, push, remote, scale
 from bench.common import Context, FigureResult, MiB, fs_type, is_memory_fs, machine_info
 
 logger = logging.getLogger(__name__)
 
-FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, scale)}
+FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, scale, remote)}
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"

@@ -24,15 +24,17 @@ what lies in PARTS_DIR once every claim is in place: a file the box no longer cl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import os
 import re
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
@@ -60,7 +62,47 @@ from controller.overlap import check_claim_paths, destination_problem, overlap_p
 logger = logging.getLogger(__name__)
 
 ATTEMPTS = 5
-Progress = Callable[[str, int, int], None]  # (path, bytes done, bytes total)
+IN_FLIGHT = 4
+"""Files transferred at once: over a high-latency link one file at a time waits a round trip per
+file; more would only share the same link."""
+T = TypeVar("T")
+
+
+class Progress(Protocol):
+    def start(self, files: int, total_bytes: int) -> None:
+        """Before the first byte: how many files and bytes the pull covers."""
+
+    def update(self, path: str, got: int, size: int) -> None:
+        """`got` of the file's `size` bytes are here (`got == size`: it is complete)."""
+
+
+async def in_flight(items: Sequence[T], work: Callable[[T], Awaitable[None]], limit: int) -> None:
+    """Run `work` on every item, at most `limit` at once. After a failure no new item starts; those
+    under way finish (a file half fetched is placed if it arrives whole), then the first failure is
+    raised. Cancelled (Ctrl-C), every one under way stops."""
+    queue = iter(items)
+    failures: list[BaseException] = []
+
+    async def worker() -> None:
+        for item in queue:
+            try:
+                await work(item)
+            except Exception as e:
+                failures.append(e)
+            if failures:
+                return
+
+    tasks = [asyncio.create_task(worker()) for _ in range(max(1, min(limit, len(items))))]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    if failures:
+        raise failures[0]
+
+
 Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
 
 PLACING_NAME = "placing.json"
@@ -178,16 +220,20 @@ async def _pull_locked(
         todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
         if todo:
             _write_placing(root, manifest, placing | todo)
-        for claim in claims:
+        if progress:
+            progress.start(len(claims), sum(c.size for c in claims))
+
+        async def one(claim: pb.Claim) -> None:
             *dirs, name = claim.path.split("/")
+            if claim.path in present:
+                report.skipped.append(claim.path)
+                if progress:
+                    progress.update(claim.path, claim.size, claim.size)
+                return
+            report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
+            # Everything below runs without an await: no other transfer comes between.
             parent_fd = _open_parent(root, root_fd, dirs)
             try:
-                if claim.path in present:
-                    report.skipped.append(claim.path)
-                    if progress:
-                        progress(claim.path, claim.size, claim.size)
-                    continue
-                report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
                 if claim.path in older:
                     _keep_replaced(root, root_fd, claim.path, parent_fd, older[claim.path])
                 try:
@@ -201,6 +247,10 @@ async def _pull_locked(
                 report.fetched.append(claim.path)
             finally:
                 os.close(parent_fd)
+
+        await in_flight(claims, one, IN_FLIGHT)
+        report.fetched.sort()
+        report.skipped.sort()
         extra = _extra_local(root, claim_paths)
         retired = _still_as_pulled(root, extra, earlier)
         report.retired = [f.path for f in retired]
@@ -568,22 +618,35 @@ async def _fetch_once(
         if hasher.bytes_seen != offset:
             raise TransferError(f"the partial copy of {claim.path} changed while being resumed")
         received = 0
+        pending: asyncio.Future[None] | None = None
         try:
             async for msg in client.read_artifact(claim.path, offset, claim.blake3):
                 if msg.offset != offset + received:
                     raise TransferError(f"{claim.path}: chunk at {msg.offset}, expected {offset + received}")
-                _pwrite_all(fd, memoryview(msg.data), msg.offset)
-                hasher.update(msg.data)
+                if pending is not None:
+                    await pending
+                # Written and hashed off the event loop, while the next chunk arrives.
+                pending = asyncio.ensure_future(asyncio.to_thread(_keep, fd, hasher, msg.data, msg.offset))
                 received += len(msg.data)
                 if progress:
-                    progress(claim.path, offset + received, claim.size)
+                    progress.update(claim.path, offset + received, claim.size)
+            if pending is not None:
+                await pending  # the last chunk's write: its error surfaces here
+                pending = None
         finally:
+            if pending is not None:  # the stream broke: the write in flight ends before the fd closes
+                await asyncio.wait({pending})
             os.fsync(fd)
         return offset, offset + received, hasher.hexdigest()
     except OSError as exc:
         raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
     finally:
         os.close(fd)
+
+
+def _keep(fd: int, hasher: StreamHasher, data: bytes, offset: int) -> None:
+    _pwrite_all(fd, memoryview(data), offset)
+    hasher.update(data)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

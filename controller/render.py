@@ -6,13 +6,22 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from rich.console import Console
 from rich.markup import escape as _markup_escape
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
 if TYPE_CHECKING:  # annotations only: `artifacts --json` must not pay for importing all of these
@@ -182,17 +191,40 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
 
 
 @contextmanager
-def transfer_progress() -> Iterator[Callable[[str, int, int], None]]:
-    """One line per finished file (a live bar comes with the watch dashboard)."""
+def transfer_progress() -> Iterator[TransferProgress]:
+    """A bar for the whole pull (bytes, rate, time left), and one line per finished file."""
     c = _console()
-    done: set[str] = set()
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=c,
+        transient=True,
+        disable=not c.is_terminal,
+    )
+    with bar:
+        yield TransferProgress(c, bar)
 
-    def update(path: str, got: int, size: int) -> None:
-        if got >= size and path not in done:
-            done.add(path)
-            c.print(f"  \\[{len(done)}] {esc(path)} ({human_bytes(size)})")
 
-    yield update
+class TransferProgress:
+    def __init__(self, console: Console, bar: Progress) -> None:
+        self.console, self.bar = console, bar
+        self.done: set[str] = set()
+        self.got: dict[str, int] = {}
+        self.task: TaskID | None = None
+
+    def start(self, files: int, total_bytes: int) -> None:
+        self.task = self.bar.add_task(f"pulling {files} files", total=total_bytes)
+
+    def update(self, path: str, got: int, size: int) -> None:
+        if self.task is not None:
+            self.bar.advance(self.task, got - self.got.get(path, 0))
+        self.got[path] = got
+        if got >= size and path not in self.done:
+            self.done.add(path)
+            self.console.print(f"  \\[{len(self.done)}] {esc(path)} ({human_bytes(size)})")
 
 
 def pull_report(rep: PullReport) -> None:

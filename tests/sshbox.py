@@ -335,13 +335,14 @@ def _stop_sshd(proc: subprocess.Popen[bytes]) -> None:
     _stop_pidfds(fds, grace=3, limit=15)
 
 
-@pytest.fixture(scope="session")
-def sshd() -> Iterator[Sshd]:
-    """A real sshd on 127.0.0.1 for this pytest process (each xdist worker gets its own)."""
+@contextlib.contextmanager
+def running_sshd() -> Iterator[Sshd]:
+    """A real sshd on 127.0.0.1, its keys and its box homes; everything removed at the end (the
+    benchmarks use it too). RuntimeError if it cannot run here."""
     if not os.access(SSHD, os.X_OK):
-        pytest.fail(f"{SSHD} is missing: install openssh-server (`make sysdeps`)", pytrace=False)
+        raise RuntimeError(f"{SSHD} is missing: install openssh-server (`make sysdeps`)")
     if os.geteuid() != 0:
-        pytest.fail("the sshd/ssh_box fixtures need root (useradd, userdel, runuser)", pytrace=False)
+        raise RuntimeError("the sshd/ssh_box fixtures need root (useradd, userdel, runuser)")
     sweep_stale()
     d = Path(tempfile.mkdtemp(prefix=DIR_PREFIX, dir="/tmp"))
     proc: subprocess.Popen[bytes] | None = None
@@ -376,7 +377,17 @@ def sshd() -> Iterator[Sshd]:
             _stop_sshd(proc)
         shutil.rmtree(d, ignore_errors=True)
         if problems:
-            pytest.fail("ssh_box session cleanup: " + "; ".join(problems))
+            raise RuntimeError("ssh_box session cleanup: " + "; ".join(problems))
+
+
+@pytest.fixture(scope="session")
+def sshd() -> Iterator[Sshd]:
+    """A real sshd on 127.0.0.1 for this pytest process (each xdist worker gets its own)."""
+    try:
+        with running_sshd() as server:
+            yield server
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
 
 
 # ------------------------------------------------------------------ users
