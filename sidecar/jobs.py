@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar import children, mounts, proctree, strays
+from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
 from sidecar.strays import Stray
@@ -71,7 +72,7 @@ _KEEPER_REPORT_S = 60.0
 _KEEPER = Path(__file__).with_name("keeper.py")
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Watch:
     """How one running job's end is observed: through its anchor, the process whose exit is
     awaited by pidfd (the keeper; the leader in records from before keepers)."""
