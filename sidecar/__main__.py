@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from sidecar import __version__, app, config
+from sidecar import __version__, compat, config
 from sidecar.errors import ConfigError
 
 
@@ -28,9 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    environ = compat.grpc_fork_handlers_off()
+    from sidecar import app  # grpc loads here, after the line above
+
     try:
         settings = config.load(args.config)
-        asyncio.run(app.run(settings))
+        asyncio.run(app.run(settings, environ))
     except ConfigError as e:
         print(f"boxwarden-sidecar: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -138,7 +138,8 @@ def _remove_stale_socket(path: Path) -> None:
         pass
 
 
-async def run(s: Settings) -> None:
+async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
+    """Serve until SIGTERM, SIGINT or Shutdown. `environ`: what jobs inherit (default: ours)."""
     _prepare_dirs(s)
     lock = _lock_state(s)
     loop = asyncio.get_running_loop()
@@ -174,7 +175,7 @@ async def run(s: Settings) -> None:
     # Orphans of our jobs reparent to us (a double-forked writer stays in view); we reap them.
     children.become_subreaper()
     children.install_reaper(loop)
-    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans)
+    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans, environ=environ)
     await jobs.recover()
     namer = ArtifactNamer(
         s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_signatures=_mount_signatures(ledger, s)

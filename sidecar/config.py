@@ -14,6 +14,7 @@ from urllib.parse import unquote, urlsplit
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 
+from sidecar.compat import SLOTS
 from sidecar.errors import ConfigError
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
 
@@ -24,7 +25,7 @@ DEFAULT_RUN_ID = "default"
 MAX_SOCKET_PATH = 104
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Settings:
     box_name: str
     profile: str

@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.compat import SLOTS
 from sidecar.ledger import ClaimRow
 from sidecar.openfiles import OpenWrites, write_lease_blocked
 from sidecar.paths import ArtifactNamer, display
@@ -26,14 +27,14 @@ TEMP = "TEMP"
 UNCLAIMABLE = "UNCLAIMABLE"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class PendingEntry:
     path: str  # display form (wire-safe)
     state: str  # WRITING | CHANGED | TEMP | UNCLAIMABLE
     detail: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class BoxEvidence:
     pending: list[PendingEntry]
     excluded_files: int

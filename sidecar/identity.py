@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.compat import SLOTS
+
 COARSE_WINDOW_NS = 2_000_000_000
 """Racy window for a file whose timestamps are whole seconds (ext4 with 128-byte inodes: 1 s;
 FAT-like: 2 s)."""
@@ -26,7 +28,7 @@ FINE_WINDOW_NS = 50_000_000
 ticks every 1–10 ms (one jiffy)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class FileIdentity:
     dev: int
     ino: int

@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import Protocol
 
 from sidecar import proctree
+from sidecar.compat import SLOTS
 from sidecar.errors import PreconditionError
 from sidecar.paths import open_regular
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class JobRecord:
     """One supervised job. Immutable: every state change stores a new record."""
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar import children, mounts, proctree, strays
+from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
 from sidecar.strays import Stray
@@ -71,7 +72,7 @@ _KEEPER_REPORT_S = 60.0
 _KEEPER = Path(__file__).with_name("keeper.py")
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class _Watch:
     """How one running job's end is observed: through its anchor, the process whose exit is
     awaited by pidfd (the keeper; the leader in records from before keepers)."""
@@ -133,16 +134,19 @@ class JobSupervisor:
         *,
         use_pidfd: bool = True,
         reap: Callable[[], object] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         """`use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
         given, is called on every poll to collect orphaned jobs' zombies (the sidecar is their
-        subreaper); never pass it in a process whose other children someone else waits for."""
+        subreaper); never pass it in a process whose other children someone else waits for.
+        `environ`: what every job inherits (default: this process's environment when the job starts)."""
         self._store = store
         self._log_dir = log_dir
         self._default_cwd = default_cwd
         self._emit = emit
         self._use_pidfd = use_pidfd
         self._reap = reap
+        self._environ = environ
         self._jobs: dict[str, JobRecord] = {}
         self._watches: dict[str, _Watch] = {}
         self._tags = proctree.TagReader()
@@ -207,7 +211,8 @@ class JobSupervisor:
         extra = dict(env or {})
         job_id = self._new_id()
         # The tag goes last: a caller's variable of the same name must not hide the job's members.
-        full_env = {**os.environ, **extra, proctree.TAG: job_id}
+        inherited = os.environ if self._environ is None else self._environ
+        full_env = {**inherited, **extra, proctree.TAG: job_id}
         executable = resolve_program(argv[0], workdir, full_env.get("PATH", os.defpath))
 
         self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -361,7 +366,7 @@ class JobSupervisor:
             remaining = deadline - time.monotonic()
             if watch.done.done() or remaining <= 0:
                 return watch.done.done()
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before 3.11
                 await asyncio.wait_for(asyncio.shield(watch.done), timeout=min(remaining, _STOP_POLL_S))
 
     def _signal_tree(self, job_id: str, sig: signal.Signals) -> None:
@@ -615,7 +620,7 @@ class JobSupervisor:
         future = asyncio.get_running_loop().run_in_executor(self._stray_pool, scan)
         try:
             return await asyncio.wait_for(asyncio.shield(future), _STRAY_SCAN_S)
-        except TimeoutError:
+        except asyncio.TimeoutError:  # not the builtin one before 3.11
             self._stuck = (future, progress)
             logger.warning("the stray scan is stuck on pid %s (a mount that does not answer?)", progress.pid)
             return [strays.stuck_on(progress.pid, _STRAY_SCAN_S)]

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.compat import SLOTS
 from sidecar.identity import FileIdentity
 from sidecar.jobs import JobRecord
 
@@ -51,7 +52,7 @@ CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class ClaimRow:
     id: int
     path: str
@@ -66,7 +67,7 @@ class ClaimRow:
     proven_at_ns: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Counts:
     """Current claims in numbers, kept up to date by every ledger change (no scan per health tick)."""
 
@@ -83,7 +84,7 @@ class Counts:
             self.durable_bytes += sign * size
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class EventRow:
     seq: int
     at_ns: int

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar import proctree
+from sidecar.compat import SLOTS
 
 logger = logging.getLogger(__name__)
 
 DELETED = " (deleted)"  # how /proc shows an fd whose file was unlinked (or is an O_TMPFILE)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class OpenWrites:
     """Result of one scan."""
 
@@ -140,7 +141,7 @@ def file_tables(pid: str) -> list[str]:
     return tables
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class FdTable:
     """One read of a file table: the fds that name files or directories, and those of the kernel
     objects that hold files of their own (inotify and fanotify marks, io_uring registrations)."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sidecar.compat import SLOTS
+
 logger = logging.getLogger(__name__)
 
 DISK_LOW = "DISK_LOW"
@@ -24,7 +26,7 @@ LOW_PERCENT = 5
 LOW_BYTES = 1 << 30
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class DiskSample:
     path: Path
     role: str  # "watch" | "durable" | "state"
@@ -34,7 +36,7 @@ class DiskSample:
     free_inodes: int  # f_favail, likewise
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class SelfSample:
     cpu_percent: float  # over the interval since the previous sample, percent of ONE core
     rss_bytes: int

@@ -31,6 +31,8 @@ import signal
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from sidecar.compat import SLOTS
+
 logger = logging.getLogger(__name__)
 
 TAG = "BOXWARDEN_JOB_ID"
@@ -38,7 +40,7 @@ _TAG_BYTES = TAG.encode() + b"="
 _PF_KTHREAD = 0x00200000
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Proc:
     """The fields of /proc/PID/stat we use."""
 
@@ -107,7 +109,7 @@ def _read_stat(path: str, pid: int) -> Proc | None:
         os.close(fd)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class ProcTable:
     """Every process visible in /proc at one moment."""
 

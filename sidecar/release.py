@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.compat import SLOTS
 from sidecar.errors import SidecarError
 from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, box_evidence
 from sidecar.ledger import ClaimRow
@@ -47,7 +48,7 @@ PENDING_CODES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Refusal:
     code: str
     path: str = ""

@@ -366,7 +366,7 @@ class SidecarService:
                 if not request.follow or current.state != "running":
                     return
                 # New output does not ring the journal; poll the file at a modest pace meanwhile.
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before 3.11
                     await asyncio.wait_for(ticket.wait(), timeout=0.5)
         finally:
             os.close(fd)

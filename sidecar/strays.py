@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from sidecar import mounts, proctree
+from sidecar.compat import SLOTS
 from sidecar.openfiles import (
     DELETED,
     file_tables,
@@ -46,7 +47,7 @@ _MAX_DEPTH = 4096  # directories above a working directory that are looked at
 TOO_DEEP = "(a path longer than PATH_MAX)"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Caller:
     """Who asks (see pb.Caller): PIDs as numbered in the caller's PID namespace, with their start
     times, that namespace's inode and the caller's boot id."""
@@ -79,7 +80,7 @@ def believed(caller: Caller | None, table: proctree.ProcTable) -> list[int]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class Stray:
     pid: int
     command: str
@@ -199,7 +200,7 @@ class _Roots:
         return any(dev == d and (inner == r or inner.startswith(r.rstrip("/") + "/")) for d, r in self.inner)
 
 
-@dataclass(slots=True)
+@dataclass(**SLOTS)
 class Progress:
     """The process a scan is looking at now (so a scan stuck in the kernel can be named)."""
 

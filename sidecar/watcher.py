@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,7 +26,6 @@ from watchdog.events import (
     DirCreatedEvent,
     DirDeletedEvent,
     DirMovedEvent,
-    FileAttribEvent,
     FileClosedEvent,
     FileCreatedEvent,
     FileDeletedEvent,
@@ -37,10 +37,16 @@ from watchdog.events import (
 from watchdog.observers import Observer
 from watchdog.observers.api import ObservedWatch
 
+from sidecar import oldwatchdog
+from sidecar.compat import SLOTS
+
 logger = logging.getLogger(__name__)
 
+# An attribute change is "dirty" too: FileAttribEvent on watchdog 7, FileModifiedEvent on 6.0.
+_DIRTY: tuple[type[FileSystemEvent], ...] = (FileModifiedEvent, *oldwatchdog.ATTRIB_EVENTS)
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, **SLOTS)
 class FsChange:
     kind: Literal["done", "arrived", "gone", "left", "rescan", "dirty", "blind"]
     path: Path
@@ -66,7 +72,7 @@ class _Handler(FileSystemEventHandler):
         self._queue.put_nowait(change)
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if isinstance(event, FileModifiedEvent | FileAttribEvent):
+        if isinstance(event, _DIRTY):
             path = _as_path(event.src_path)
             with self._lock:
                 if path in self._dirty_sent:
@@ -84,7 +90,7 @@ class _Handler(FileSystemEventHandler):
             self._put(FsChange("arrived", _as_path(event.dest_path)))
         elif isinstance(event, FileDeletedEvent):
             self._put(FsChange("gone", _as_path(event.src_path)))
-        elif isinstance(event, DirMovedEvent | DirDeletedEvent):
+        elif isinstance(event, (DirMovedEvent, DirDeletedEvent)):
             # Every file under it left with it, now: their claims end before anything new can take
             # their paths. Then a rescan finds where they went (a move inside the watched tree).
             self._put(FsChange("left", _as_path(event.src_path)))
@@ -93,13 +99,13 @@ class _Handler(FileSystemEventHandler):
             self._put(FsChange("rescan", _as_path(event.src_path)))
 
 
-_WANTED = [
+_WANTED: list[type[FileSystemEvent]] = [
     FileClosedEvent,
     FileCreatedEvent,
     FileMovedEvent,
     FileDeletedEvent,
     FileModifiedEvent,
-    FileAttribEvent,
+    *oldwatchdog.ATTRIB_EVENTS,
     DirMovedEvent,
     DirDeletedEvent,
     DirCreatedEvent,
@@ -108,15 +114,24 @@ _WANTED = [
 
 class _Overflow(logging.Handler):
     """watchdog handles a kernel queue overflow itself and passes no event on; it only logs it.
-    Its log record is the one signal there is: it becomes a "blind" change (events were lost)."""
+    Its log record is the one signal there is: it becomes a "blind" change (events were lost),
+    after `rebuild` (on a watchdog that does not re-add its watches itself)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[FsChange]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        queue: asyncio.Queue[FsChange],
+        rebuild: Callable[[], None] | None,
+    ) -> None:
         super().__init__(logging.WARNING)
         self._loop = loop
         self._queue = queue
+        self._rebuild = rebuild
 
     def emit(self, record: logging.LogRecord) -> None:
         if "overflow" in str(record.msg).lower():
+            if self._rebuild is not None:
+                self._loop.call_soon_threadsafe(self._rebuild)
             self._loop.call_soon_threadsafe(self._queue.put_nowait, FsChange("blind", Path("/")))
 
 
@@ -130,7 +145,7 @@ class Watcher:
         self.queue: asyncio.Queue[FsChange] = asyncio.Queue()
         self._observer = Observer()
         self._handler = _Handler(loop, self.queue)
-        self._overflow = _Overflow(loop, self.queue)
+        self._overflow = _Overflow(loop, self.queue, None if oldwatchdog.REBUILDS_WATCHES else self._rebuild)
         self._watches: dict[Path, ObservedWatch] = {}
         for root in roots:
             self._watch(root)
@@ -153,7 +168,14 @@ class Watcher:
         except OSError as e:  # not there (yet): the periodic rescan reports it and tries again
             logger.warning("cannot watch %s again: %s", root, e)
 
+    def _rebuild(self) -> None:
+        """Watch every root again after the kernel dropped events (watchdog 6.0; 7.1 does it
+        itself): a directory made meanwhile has no watch of its own yet. Called on the loop."""
+        for root in list(self._watches):
+            self.rewatch(root)
+
     def start(self) -> None:
+        oldwatchdog.report_overflow()
         for name in _WATCHDOG_LOGGERS:
             watchdog_log = logging.getLogger(name)
             watchdog_log.addHandler(self._overflow)

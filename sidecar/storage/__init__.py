@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from sidecar.compat import SLOTS
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.identity import FileIdentity
 
@@ -48,7 +49,7 @@ OWNER_NAME = ".boxwarden-owner"
 """File under a run's root naming the ledger that owns it (see `DurableStore.bind_owner`); reserved."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, **SLOTS)
 class StagedCopy:
     """A complete, not yet durable copy of `source`'s bytes, written to `tmp_path`.
 

@@ -5,7 +5,7 @@ import warnings
 
 from boxwarden_pb.v1 import sidecar_pb2 as boxwarden__pb_dot_v1_dot_sidecar__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.80.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -25,7 +25,7 @@ if _version_not_supported:
     )
 
 
-class SidecarStub:
+class SidecarStub(object):
     """The on-box daemon. It listens on a Unix socket (dir 0700, socket 0600); SSH is the
     authentication and the encryption.
     """
@@ -93,7 +93,7 @@ class SidecarStub:
                 _registered_method=True)
 
 
-class SidecarServicer:
+class SidecarServicer(object):
     """The on-box daemon. It listens on a Unix socket (dir 0700, socket 0600); SSH is the
     authentication and the encryption.
     """
@@ -252,7 +252,7 @@ def add_SidecarServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Sidecar:
+class Sidecar(object):
     """The on-box daemon. It listens on a Unix socket (dir 0700, socket 0600); SSH is the
     authentication and the encryption.
     """
