@@ -113,6 +113,7 @@ async def up(
     host: str | None = None,
     ssh_options: Sequence[str] = (),
     ssh_config: str = "",
+    box_index: str | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -124,6 +125,12 @@ async def up(
             check_path_text(path, what)
     prof = profiles.resolve(profile, profile_file)
     options: tuple[str, ...] = ()
+    if box_index is not None:
+        if host is None:
+            raise UsageError("--box-index goes with --host DEST (a remote box)")
+        from controller.remote import check_index_url
+
+        check_index_url(box_index)
     if host is not None:
         host = sshargv.check_destination(host)
         options = tuple("=".join(sshargv.check_option(o)) for o in ssh_options)
@@ -203,7 +210,7 @@ async def up(
         return await _up_on(state, spec, LocalConnector(socket), where, default_url)
     conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
     try:
-        where, default_url = await _remote_where(state, name, conn, host, prof, box_dir)
+        where, default_url = await _remote_where(state, name, conn, host, prof, box_dir, box_index)
         return await _up_on(state, spec, conn, where, default_url)
     finally:
         await conn.close()
@@ -245,13 +252,20 @@ class Where:
 
 
 async def _remote_where(
-    state: State, name: str, conn: SshConnector, host: str, prof: profiles.Profile, box_dir: Path
+    state: State,
+    name: str,
+    conn: SshConnector,
+    host: str,
+    prof: profiles.Profile,
+    box_dir: Path,
+    box_index: str | None,
 ) -> tuple[Where, str]:
     """Probe the remote box and give it the sidecar's venv: where its state lives, its python."""
     from controller import remote, wheelhouse
 
     probe = await remote.probe(conn, host)
-    python = await remote.ensure_venv(conn, host, probe, wheelhouse.default_cache_root(os.environ))
+    cache = wheelhouse.default_cache_root(os.environ)
+    python = await remote.ensure_venv(conn, host, probe, cache, box_index=box_index)
     root = Path(probe.root) / "boxes" / name
     socket = root / "sidecar" / "sidecar.sock"
     if len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+import blake3
 
 from controller import __version__, wheelhouse
 from controller.connector import BEGIN, END, Connector
@@ -26,6 +30,7 @@ STATE_ROOT = "~/.boxwarden"
 MIN_FREE_BYTES = 200 << 20  # the venv (about 60 MB) and the wheelhouse beside it while it installs
 MIN_FREE_INODES = 20_000
 NO_PYTHON = 97
+CONTROL = re.compile(r"[\x00-\x20\x7f-\x9f]")
 
 # Runs with whatever python3 the box has (3.6 and up must at least say what they are).
 PROBE = f"""
@@ -154,9 +159,57 @@ def check_room(p: Probe, dest: str, need_bytes: int) -> None:
         )
 
 
-async def ensure_venv(conn: Connector, dest: str, p: Probe, cache_root: Path, *, progress: Any = None) -> str:
-    """The box-side python of the sidecar's venv for this controller's wheelhouse, installed if the
-    box does not have it yet."""
+INSTALL_FROM_INDEX = """
+set -eu
+root=$1 digest=$2 py=$3 index=$4 spec=$5
+wheels="$root/wheels/$digest"
+tmp="$root/venvs/.new-$digest-$$"
+trap 'rm -rf "$tmp"' EXIT
+"$py" -m venv "$tmp" || {
+  echo "cannot create a venv with pip with $py: install its venv module" \
+    "(Debian/Ubuntu: apt-get install python3-venv)" >&2
+  exit 3; }
+"$tmp/bin/python" -m pip install --no-input --quiet --disable-pip-version-check \
+  --index-url "$index" --find-links "$wheels" "$spec"
+touch "$tmp/.complete"
+if [ -e "$root/venvs/$digest" ]; then rm -rf "$tmp"; else mv "$tmp" "$root/venvs/$digest"; fi
+trap - EXIT
+rm -rf "$wheels"
+"""
+
+
+def check_index_url(url: str) -> str:
+    """--box-index: an http(s) or file URL without credentials (they would show in the box's
+    process list: keep them in the box's pip.conf or .netrc)."""
+    u = urlsplit(url)
+    if (
+        u.scheme not in ("http", "https", "file")
+        or CONTROL.search(url)
+        or (u.scheme != "file" and not u.netloc)
+    ):
+        raise UsageError(f"--box-index {url!r}: give the URL of a package index (https://host/simple)")
+    if u.username or u.password:
+        raise UsageError(
+            "--box-index: leave the credentials out of the URL (they would show in the box's process list); "
+            "put them in the box's pip.conf or ~/.netrc"
+        )
+    return url
+
+
+async def ensure_venv(
+    conn: Connector,
+    dest: str,
+    p: Probe,
+    cache_root: Path,
+    *,
+    box_index: str | None = None,
+    progress: Any = None,
+) -> str:
+    """The box-side python of the sidecar's venv for this controller's wheelhouse (or, with
+    `box_index`, for the sidecar wheel and the box's own index), installed if the box does not have
+    it yet."""
+    if box_index:
+        return await _venv_from_index(conn, dest, p, cache_root, box_index)
     plat = wheelhouse.BoxPlatform.from_probe(p.platform)
     house = wheelhouse.build(plat, cache_root, progress=progress)
     venv_python = f"{p.root}/venvs/{house.digest}/bin/python"
@@ -176,13 +229,26 @@ async def ensure_venv(conn: Connector, dest: str, p: Probe, cache_root: Path, *,
     return venv_python
 
 
-def check_box_path(path: str, what: str) -> str:
-    """A path on the box as the user gave it: absolute or starting with `~` (the box's home)."""
-    if not (path.startswith("/") or path == "~" or path.startswith("~/")):
-        raise UsageError(f"{what} {path!r}: give a path on the box, absolute or under ~ (quote it: '~/ckpt')")
-    if ":" in path:
-        raise UsageError(f"{what} {path!r}: a ':' in a box path cannot travel through an SSH forward")
-    return path
+async def _venv_from_index(conn: Connector, dest: str, p: Probe, cache_root: Path, index: str) -> str:
+    """The sidecar wheel from here, its dependencies from the box's own index (`--box-index`)."""
+    wheel = wheelhouse.sidecar_wheel(cache_root / "sidecar-only")
+    digest = "index-" + blake3.blake3(wheel.read_bytes() + b"\0" + index.encode()).hexdigest()[:32]
+    venv_python = f"{p.root}/venvs/{digest}/bin/python"
+    if digest in p.venvs:
+        return venv_python
+    check_room(p, dest, MIN_FREE_BYTES)
+    await conn.put([wheel], f"{p.root}/wheels/{digest}")
+    spec = f"boxwarden-sidecar=={__version__}"
+    done = await conn.run(
+        ["/bin/sh", "-c", INSTALL_FROM_INDEX, "sh", p.root, digest, p.python, index, spec], timeout_s=900
+    )
+    if done.returncode != 0:
+        err = done.stderr.decode(errors="replace").strip()[-1500:]
+        raise ControllerError(
+            f"installing the sidecar on {dest} from {index} failed (nothing was left running); without "
+            f"--box-index the box needs no index at all:\n{err}"
+        )
+    return venv_python
 
 
 def quote(argv: list[str]) -> str:

@@ -339,14 +339,6 @@ class Wheelhouse:
     sidecar_wheel: str
     digest: str
 
-    def install_argv(self, python: str, wheel_dir: str) -> list[str]:
-        """The command that installs the sidecar into the (fresh) venv of `python`, with this
-        wheelhouse copied to `wheel_dir` on the box: pip runs from its wheel, the box's own pip and
-        its configuration play no part."""
-        pip = f"{wheel_dir.rstrip('/')}/{self.pip_wheel}/pip"
-        flags = ["--isolated", "--no-input", "--disable-pip-version-check", "--no-index"]
-        return [python, pip, "install", *flags, "--find-links", wheel_dir, SIDECAR_DIST]
-
 
 def _load(path: Path, sidecar: str) -> Wheelhouse | None:
     """The wheelhouse at `path` if it is complete (holds `sidecar` and a pip wheel), else None."""

@@ -282,8 +282,10 @@ def _kept(bw: Bw, name: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in lines if x.strip()]
 
 
-@pytest.mark.parametrize("mode", ["master", "tcp"])
-def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(remote: Remote, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "mib"), [("master", 200), ("tcp", 64)])
+def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(
+    remote: Remote, mode: str, mib: int
+) -> None:
     import subprocess
 
     import blake3
@@ -293,8 +295,9 @@ def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(remote:
     box = remote.boxes("c1")
     remote.provider("create", "i-c1", "--linger", "1")
     remote.up(box)
+    size = mib << 20
     r = box.run_as_box(
-        ["sh", "-c", "mkdir -p ckpt && head -c 209715200 /dev/urandom > ckpt/big.bin"], timeout=120
+        ["sh", "-c", f"mkdir -p ckpt && head -c {size} /dev/urandom > ckpt/big.bin"], timeout=120
     )
     assert r.returncode == 0, r.stderr
     bw.wait_durable(box.alias, 1, timeout=120)
@@ -329,7 +332,7 @@ def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(remote:
 
         def mid_transfer() -> bool:
             sizes = [p.stat().st_size for p in parts.glob("*.part")] if parts.exists() else []
-            return any(0 < s < 209715200 for s in sizes)
+            return any(0 < s < size for s in sizes)
 
         wait_until(mid_transfer, timeout=60, what="the pull half way")
         for pid in _link_pids(bw, box, puller.pid, mode):
@@ -414,3 +417,44 @@ def test_a_read_only_home_or_no_python_is_refused_with_the_fix(remote: Remote) -
     r = remote.up(box, code=1)
     assert "has no python3 on its PATH" in r["stderr"] and "Python 3.9 or newer" in r["stderr"]
     assert not (box.home / ".boxwarden").exists()
+
+
+def test_box_index_lets_the_box_fetch_the_dependencies_itself(remote: Remote, wheel_cache: Path) -> None:
+    import shutil
+
+    box = remote.boxes("bi1")
+    remote.up(box)  # builds (or reuses) the wheelhouse of this box's python in the cache
+    house = next(
+        d for d in wheel_cache.iterdir() if d.name.startswith("cp311-") and any(d.glob("grpcio-*.whl"))
+    )
+    index = box.sshd.dir / "index"
+    for wheel in house.glob("*.whl"):
+        project = wheel.name.split("-")[0].lower().replace("_", "-")
+        if project == "boxwarden-sidecar":
+            continue
+        (index / project).mkdir(parents=True, exist_ok=True)
+        shutil.copy(wheel, index / project / wheel.name)
+        links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in (index / project).glob("*.whl"))
+        (index / project / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
+    for d in [index, *index.iterdir(), *index.rglob("*")]:
+        d.chmod(0o755 if d.is_dir() else 0o644)
+    other = remote.boxes("bi2")
+    out = remote.up(other, "--box-index", index.as_uri())
+    assert out["started"] is True and owner_of(out["pid"]) == other.uid
+    (venv,) = (other.home / ".boxwarden" / "venvs").iterdir()
+    assert venv.name.startswith("index-")
+    for bad in ("https://user:secret@example.com/simple", "ftp://x/simple", "not a url"):
+        r = remote.bw(
+            "up",
+            "x9",
+            "--profile-file",
+            str(remote.profile),
+            "--host",
+            other.alias,
+            "--box-index",
+            bad,
+            "--watch",
+            "ckpt",
+        )
+        assert r.returncode == 2 and "--box-index" in r.stderr, r.stderr
+        assert "secret" not in r.stderr

@@ -36,6 +36,12 @@ from controller.state import exclusive
     help="An ssh -o option for this box (repeat), e.g. Port=2222.",
 )
 @click.option(
+    "--box-index",
+    metavar="URL",
+    help="Let the box install the sidecar's dependencies from this package index of its own (by "
+    "default it needs none: they travel from here).",
+)
+@click.option(
     "--instance-id", help="The provider's id of this box (fills {instance_id} in the meter-stop command)."
 )
 @click.option(
@@ -73,6 +79,7 @@ def command(
     profile_file: Path | None,
     host: str | None,
     ssh_options: tuple[str, ...],
+    box_index: str | None,
     instance_id: str | None,
     workdir: str,
     watch: tuple[str, ...],
@@ -105,6 +112,7 @@ def command(
                 host=host,
                 ssh_options=ssh_options,
                 ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
+                box_index=box_index,
             )
         )
     if as_json:

@@ -301,44 +301,8 @@ def test_a_failed_download_is_one_error_naming_the_platform_and_the_fix(
     assert list(tmp_path.iterdir()) == [], "a failed build left something in the cache"
 
 
-# --- installing on a "box" -----------------------------------------------------------------------
-
-
-def assert_the_sidecar_runs(venv: Path, cwd: Path) -> None:
-    code = "import sidecar, sidecar.app, boxwarden_pb.v1.sidecar_pb2_grpc; print(sidecar.__file__)"
-    imported = run([str(venv / "bin" / "python"), "-c", code], cwd=cwd)
-    assert Path(imported.stdout.strip()).is_relative_to(venv), "imported the sidecar from elsewhere"
-    script = str(venv / "bin" / "boxwarden-sidecar")
-    assert "--config" in run([script, "--help"], cwd=cwd).stdout
-    version = run([script, "--version"], cwd=cwd).stdout
-    assert version.strip() == f"boxwarden-sidecar {__version__}"
-
-
-def test_the_wheelhouse_installs_with_the_venvs_own_pip(house: Wheelhouse, tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", venv], cwd=tmp_path)
-    pip: list[str | Path] = [
-        venv / "bin" / "python",
-        "-m",
-        "pip",
-        "--isolated",
-        "--disable-pip-version-check",
-    ]
-    run([*pip, "install", "--no-index", "--find-links", house.dir, "boxwarden-sidecar"], cwd=tmp_path)
-    run([*pip, "check"], cwd=tmp_path)
-    assert_the_sidecar_runs(venv, tmp_path)
-
-
-def test_the_wheelhouse_installs_with_its_own_pip_where_the_box_has_none(
-    house: Wheelhouse, tmp_path: Path
-) -> None:
-    venv = tmp_path / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path)
-    assert not list(venv.glob("lib/python*/site-packages/pip")), "the venv was meant to have no pip"
-    copied = tmp_path / "sent" / house.dir.name  # as the box receives it
-    shutil.copytree(house.dir, copied)
-    run(house.install_argv(str(venv / "bin" / "python"), str(copied)), cwd=tmp_path)
-    assert_the_sidecar_runs(venv, tmp_path)
+# Installing a wheelhouse on a box (a venv without pip, pip run from its wheel) is tested end to end
+# over a real sshd in tests/test_remote_e2e.py.
 
 
 # --- the closure resolves for every supported box ------------------------------------------------
