@@ -151,12 +151,16 @@ async def _started(
 
 
 async def wait_gone(box: Box, conn: Connector, pid: int, *, deadline_s: float) -> bool:
-    """Wait until the sidecar is gone on the box (its state dir's lock free, its pid dead) AND its
-    socket no longer answers. Asked on the box: its pids are not this machine's."""
+    """Wait until the sidecar's socket no longer answers AND it is gone on the box (its state dir's
+    lock free, its pid dead). Asked on the box: its pids are not this machine's. The box is asked
+    only once the socket is silent, less often the longer it takes."""
     deadline = time.monotonic() + deadline_s
+    pause = 0.05
     while time.monotonic() < deadline:
-        answer = await launch(conn, "gone", {"state_dir": box.state_dir, "pid": pid}, timeout_s=30)
-        if answer.get("gone") and await _hello(conn, timeout_s=0.5) is None:
-            return True
-        await asyncio.sleep(0.1)
+        if await _hello(conn, timeout_s=0.5) is None:
+            answer = await launch(conn, "gone", {"state_dir": box.state_dir, "pid": pid}, timeout_s=30)
+            if answer.get("gone"):
+                return True
+            pause = min(pause * 2, 0.5)
+        await asyncio.sleep(pause)
     return False

@@ -114,6 +114,7 @@ async def up(
     ssh_options: Sequence[str] = (),
     ssh_config: str = "",
     box_index: str | None = None,
+    state_on_durable: bool = False,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -125,6 +126,8 @@ async def up(
             check_path_text(path, what)
     prof = profiles.resolve(profile, profile_file)
     options: tuple[str, ...] = ()
+    if state_on_durable and host is None:
+        raise UsageError("--state-on-durable goes with --host DEST (a remote box)")
     if box_index is not None:
         if host is None:
             raise UsageError("--box-index goes with --host DEST (a remote box)")
@@ -210,7 +213,10 @@ async def up(
         return await _up_on(state, spec, LocalConnector(socket), where, default_url)
     conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
     try:
-        where, default_url = await _remote_where(state, name, conn, host, prof, box_dir, box_index)
+        on_durable = state_on_durable or (live is not None and live.state_on_durable)
+        where, default_url = await _remote_where(
+            state, name, conn, host, prof, box_dir, box_index, on_durable
+        )
         return await _up_on(state, spec, conn, where, default_url)
     finally:
         await conn.close()
@@ -249,6 +255,7 @@ class Where:
     state_root: Path  # on the box: holds sidecar/ (the state dir), sidecar.json, sidecar.log
     python: str
     socket: str
+    state_on_durable: bool = False
 
 
 async def _remote_where(
@@ -259,22 +266,33 @@ async def _remote_where(
     prof: profiles.Profile,
     box_dir: Path,
     box_index: str | None,
+    state_on_durable: bool,
 ) -> tuple[Where, str]:
-    """Probe the remote box and give it the sidecar's venv: where its state lives, its python."""
+    """Probe the remote box and give it the sidecar's venv: where its state lives, its python.
+    `state_on_durable`: the state and the venv live on the profile's durable tier (they survive a
+    stop); the socket stays on the box's own disk (a network filesystem may hold no socket)."""
     from controller import remote, wheelhouse
 
-    probe = await remote.probe(conn, host)
+    tier = next((t for t in prof.storage if t.durable_default), None)
+    state_root = remote.STATE_ROOT
+    if state_on_durable:
+        if tier is None:
+            raise UsageError(
+                f"--state-on-durable: profile {prof.name!r} names no durable tier (durable_default); keep "
+                "the state in ~/.boxwarden, or use a profile that names one"
+            )
+        state_root = f"{tier.path.rstrip('/')}/.boxwarden"
+    probe = await remote.probe(conn, host, state_root)
     cache = wheelhouse.default_cache_root(os.environ)
     python = await remote.ensure_venv(conn, host, probe, cache, box_index=box_index)
     root = Path(probe.root) / "boxes" / name
     socket = root / "sidecar" / "sidecar.sock"
-    if len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:
-        socket = Path(probe.root) / "s" / f"{name[:40]}.sock"
+    if state_on_durable or len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:
+        socket = Path(probe.home) / ".boxwarden" / "s" / f"{name[:40]}.sock"
     if ":" in str(socket):
         raise ControllerError(
             f"{host}: the sidecar's socket path {socket} holds a ':', which an SSH forward cannot carry"
         )
-    tier = next((t for t in prof.storage if t.durable_default), None)
     if tier is not None:
         base = probe.home + tier.path[1:] if tier.path.startswith("~") else tier.path
         default_url = Path(base, "boxwarden").as_uri()
@@ -282,7 +300,8 @@ async def _remote_where(
         default_url = (root / "durable").as_uri()
     conn.remote_socket = str(socket)
     conn.python = python
-    return Where(box_dir=box_dir, state_root=root, python=python, socket=str(socket)), default_url
+    where = Where(box_dir, root, python, str(socket), state_on_durable)
+    return where, default_url
 
 
 async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
@@ -336,6 +355,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         ssh_options=spec.options,
         ssh_config=spec.ssh_config,
         python=where.python,
+        state_on_durable=where.state_on_durable,
     )
     box_checks = {
         **checks.box_side_request(prof),

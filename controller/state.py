@@ -71,6 +71,7 @@ class Box:
     ssh_config: str = ""  # ssh -F FILE ($BOXWARDEN_SSH_CONFIG at `up`); empty: the user's own
     python: str = ""  # the box-side python of the sidecar's venv (absolute, on the box)
     last_contact_ns: int = 0  # when the sidecar last answered a command of this controller
+    state_on_durable: bool = False  # the sidecar's state and venv live on the durable tier
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

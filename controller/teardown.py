@@ -134,6 +134,8 @@ def up_command(box: Box) -> str:
         argv += ["--host", box.host]
         for opt in box.ssh_options:
             argv += ["--ssh-option", opt]
+        if box.state_on_durable:
+            argv += ["--state-on-durable"]
     argv += ["--workdir", box.workdir]
     for w in box.watch:
         argv += ["--watch", w]

@@ -149,12 +149,14 @@ def test_the_whole_lifecycle_over_ssh(remote: Remote) -> None:
     remote.provider("create", "i-r2", "--linger", "2")
     remote.up(box)
     bw = remote.bw
-    r = bw("run", box.alias, "--json", "--", "sh", "-c", "mkdir -p ckpt && printf 'weights' > ckpt/a.bin")
+    job = "mkdir -p ckpt && printf 'weights' > ckpt/a.bin && echo saved on $(hostname)"
+    r = bw("run", box.alias, "--json", "--", "sh", "-c", job)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["id"]
+    job_id = json.loads(r.stdout)["id"]
     write_as_box(box, "ckpt/b.bin", "more weights")
     a = bw.wait_durable(box.alias, 2, timeout=60)
     assert {c["path"] for c in a["claims"]} == {"a.bin", "b.bin"}
+    assert "saved on" in bw.ok("logs", box.alias, "--job", job_id).stdout  # the job's log, over the link
     rows = {r["box"]: r for r in bw.json("status")["boxes"]}
     assert rows[box.alias]["host"] == box.alias and rows[box.alias]["sidecar"].startswith("0.")
     pulled = bw.cwd / "pulled"
@@ -422,12 +424,12 @@ def test_a_read_only_home_or_no_python_is_refused_with_the_fix(remote: Remote) -
 def test_box_index_lets_the_box_fetch_the_dependencies_itself(remote: Remote, wheel_cache: Path) -> None:
     import shutil
 
-    box = remote.boxes("bi1")
-    remote.up(box)  # builds (or reuses) the wheelhouse of this box's python in the cache
-    house = next(
-        d for d in wheel_cache.iterdir() if d.name.startswith("cp311-") and any(d.glob("grpcio-*.whl"))
-    )
-    index = box.sshd.dir / "index"
+    from controller import wheelhouse
+
+    other = remote.boxes("bi2")
+    probe = json.loads(other.ssh(["python3", "-c", wheelhouse.PROBE_SCRIPT]).stdout)
+    house = wheelhouse.build(wheelhouse.BoxPlatform.from_probe(probe), wheel_cache).dir  # the box's closure
+    index = other.sshd.dir / "index"
     for wheel in house.glob("*.whl"):
         project = wheel.name.split("-")[0].lower().replace("_", "-")
         if project == "boxwarden-sidecar":
@@ -438,7 +440,6 @@ def test_box_index_lets_the_box_fetch_the_dependencies_itself(remote: Remote, wh
         (index / project / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
     for d in [index, *index.iterdir(), *index.rglob("*")]:
         d.chmod(0o755 if d.is_dir() else 0o644)
-    other = remote.boxes("bi2")
     out = remote.up(other, "--box-index", index.as_uri())
     assert out["started"] is True and owner_of(out["pid"]) == other.uid
     (venv,) = (other.home / ".boxwarden" / "venvs").iterdir()
@@ -458,3 +459,19 @@ def test_box_index_lets_the_box_fetch_the_dependencies_itself(remote: Remote, wh
         )
         assert r.returncode == 2 and "--box-index" in r.stderr, r.stderr
         assert "secret" not in r.stderr
+
+
+def test_state_on_durable_keeps_ledger_and_venv_on_the_durable_tier(remote: Remote) -> None:
+    box = remote.boxes("sd1")
+    remote.profile.write_text(remote.profile.read_text().replace('path = "~"', 'path = "~/persist"'))
+    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist")]).returncode == 0
+    first = remote.up(box, "--state-on-durable")
+    persist = box.home / "persist" / ".boxwarden"
+    assert (persist / "boxes" / "sd1" / "sidecar" / "ledger.sqlite").exists()
+    assert [v for v in (persist / "venvs").iterdir() if (v / ".complete").exists()]
+    assert not (box.home / ".boxwarden" / "venvs").exists()  # nothing of it on the box's own disk
+    assert list((box.home / ".boxwarden" / "s").iterdir()) == [box.home / ".boxwarden" / "s" / "sd1.sock"]
+    again = remote.up(box)  # the box remembers where its state lives
+    assert again["started"] is False and again["pid"] == first["pid"]
+    r = remote.bw("up", "sd2", "--profile", "local", "--state-on-durable", "--watch", "ckpt")
+    assert r.returncode == 2 and "--state-on-durable goes with --host" in r.stderr

@@ -42,6 +42,12 @@ from controller.state import exclusive
     "default it needs none: they travel from here).",
 )
 @click.option(
+    "--state-on-durable",
+    is_flag=True,
+    help="Keep the sidecar's state (ledger, logs) and venv on the profile's durable tier, so they "
+    "survive a stop (the socket stays on the box's own disk).",
+)
+@click.option(
     "--instance-id", help="The provider's id of this box (fills {instance_id} in the meter-stop command)."
 )
 @click.option(
@@ -80,6 +86,7 @@ def command(
     host: str | None,
     ssh_options: tuple[str, ...],
     box_index: str | None,
+    state_on_durable: bool,
     instance_id: str | None,
     workdir: str,
     watch: tuple[str, ...],
@@ -113,6 +120,7 @@ def command(
                 ssh_options=ssh_options,
                 ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
                 box_index=box_index,
+                state_on_durable=state_on_durable,
             )
         )
     if as_json:
