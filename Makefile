@@ -60,7 +60,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -q -n 3
+	$(BIN)/python -m pytest -q -n 4
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu --run-gpu

@@ -64,6 +64,8 @@ class SidecarClient:
         self.caller = caller
         self.conn = conn
         self.reconnects = 0
+        self.generation = 0  # bumped each time `reconnect` opens a new channel
+        self._reconnecting: asyncio.Lock | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: sidecar_pb2_grpc.SidecarAsyncStub | None = None
 
@@ -84,19 +86,32 @@ class SidecarClient:
         )
         self._stub = sidecar_pb2_grpc.SidecarStub(self._channel)
 
-    async def reconnect(self) -> None:
+    async def reconnect(self, generation: int | None = None) -> None:
         """After a transport failure: wait a little (longer each time), build the link to the box
-        again and open a new channel on it. Raises SidecarUnreachable if the link cannot be built."""
-        wait = RECONNECT_BACKOFF_S[min(self.reconnects, len(RECONNECT_BACKOFF_S) - 1)]
-        self.reconnects += 1
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
-        await asyncio.sleep(wait)
-        if self.conn is not None:
-            await self.conn.reset()
-            self.target = await self.conn.target()
-        self._open()
+        again and open a new channel on it. Raises SidecarUnreachable if the link cannot be built.
+
+        `generation`: the channel the caller saw fail (`self.generation` when its call began). Calls
+        that share this client and saw the same channel fail rebuild it once: a later one finds the
+        new channel and returns at once."""
+        if self._reconnecting is None:
+            self._reconnecting = asyncio.Lock()
+        async with self._reconnecting:
+            if generation is not None and generation != self.generation and self._channel is not None:
+                return  # another call built the link again meanwhile
+            wait = RECONNECT_BACKOFF_S[min(self.reconnects, len(RECONNECT_BACKOFF_S) - 1)]
+            self.reconnects += 1
+            if self._channel is not None:
+                await self._channel.close()
+                self._channel = None
+            await asyncio.sleep(wait)
+            try:
+                if self.conn is not None:
+                    await self.conn.reset()
+                    self.target = await self.conn.target()
+            finally:
+                # Always a channel: on a link still down its calls fail as unreachable (and retry).
+                self._open()
+                self.generation += 1
 
     async def __aexit__(
         self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None

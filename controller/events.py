@@ -47,9 +47,9 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                     if ev.seq <= after:
                         continue  # replayed again after a reconnect: kept already
                     rec = record(ev)
-                    state.add_event(box.name, box.run_id, ev.seq, ev.at_unix_ns, rec)
                     after = ev.seq
-                    kept += 1
+                    # Another follower of this box may have kept it first: shown here all the same.
+                    kept += state.add_event(box.name, box.run_id, ev.seq, ev.at_unix_ns, rec)
                     on_event(rec)
                 if not follow:
                     return kept

@@ -531,6 +531,7 @@ async def _fetch(
     breaks = 0
     restarted = False
     while True:
+        generation = client.generation
         try:
             offset, total, digest = await _fetch_once(client, claim, parts_fd, progress)
         except SidecarUnreachable as e:
@@ -541,7 +542,7 @@ async def _fetch(
                 ) from e
             logger.warning("%s: stream broke (%s), resuming", claim.path, e)
             with contextlib.suppress(SidecarUnreachable):  # not yet: the next attempt tries again
-                await client.reconnect()
+                await client.reconnect(generation)
             continue
         if total == claim.size and digest == claim.blake3:
             return total - start

@@ -181,19 +181,20 @@ class State:
         ).fetchone()
         return int(row[0] or 0)
 
-    def add_event(self, box: str, run_id: str, seq: int, at_ns: int, record: Mapping[str, object]) -> None:
-        """Keep one event of the box's journal. Events are added in order: a number at or below the
-        last one kept is a duplicate, and refused (StateError) rather than kept twice."""
+    def add_event(self, box: str, run_id: str, seq: int, at_ns: int, record: Mapping[str, object]) -> bool:
+        """Keep one event of the box's journal; False if it (or a later one) is kept already (another
+        `events -f` of the same box got there first): each event is kept once, in order."""
         with self._tx() as db:
             last = db.execute(
                 "SELECT MAX(seq) FROM events WHERE box = ? AND run_id = ?", (box, run_id)
             ).fetchone()[0]
             if last is not None and seq <= last:
-                raise StateError(f"internal: event {seq} of {box} arrived after event {last}")
+                return False
             db.execute(
                 "INSERT INTO events(box, run_id, seq, at_ns, record) VALUES (?,?,?,?,?)",
                 (box, run_id, seq, at_ns, json.dumps(record, sort_keys=True)),
             )
+            return True
 
     def events(self, box: str, run_id: str, after: int = 0) -> list[dict[str, Any]]:
         rows = self._db.execute(
