@@ -416,7 +416,10 @@ def _same_claims(
             f"{name} watches {', '.join(live.watch)}; `down` it before watching other dirs "
             "(its claims are about those)"
         )
-    if ddir != str(durable_dir(live.durable)):  # both resolved on the box: the same dir, however spelled
+    kept = str(durable_dir(live.durable))
+    if not live.host:  # a record of an earlier version may hold the path as it was given
+        kept = os.path.realpath(kept)
+    if ddir != kept:  # both resolved on the box: the same dir, however spelled
         raise UsageError(
             f"{name} keeps its durable copies in {live.durable}; `down` it before changing --durable "
             "(its claims are about those)"

@@ -30,7 +30,7 @@ from controller import meterstop
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.connector import Connector
-from controller.errors import ControllerError, GateRefused, Reason, SidecarUnreachable
+from controller.errors import ControllerError, GateRefused, Reason, SidecarRefused, SidecarUnreachable
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
@@ -118,6 +118,12 @@ async def sidecar_answers(box: Box, timeout_s: float = 3.0) -> bool:
         async with SidecarClient(conn=conn) as c:
             await c.hello(timeout_s=timeout_s, check_version=False)
     except SidecarUnreachable:
+        return False
+    except SidecarRefused:
+        return True  # something answered, if only to refuse
+    except ControllerError:
+        # The link itself is refused (a remote box re-created with another host key, say): nothing
+        # answers through it, which is all this asks.
         return False
     finally:
         await conn.close()
