@@ -37,8 +37,6 @@ class Completed:
 class Connector(Protocol):
     """How the controller reaches one box."""
 
-    local: bool
-    """The box is this machine: its paths and process ids are the controller's own."""
     python: str
     """The box-side Python that runs the sidecar (an absolute path on the box)."""
 
@@ -95,8 +93,6 @@ async def launch(
 
 class LocalConnector:
     """A box on this machine: the sidecar's own socket, commands as this user's processes."""
-
-    local = True
 
     def __init__(self, socket: str, python: str = sys.executable) -> None:
         self.socket = socket

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,19 +65,27 @@ FIND_PYTHON = (
     f"echo 'no python3 on the box' >&2; exit {NO_PYTHON}"
 )
 
+# $5 empty: pip runs from its wheel in the wheelhouse ($4), with no index and no config of the
+# box's; $5 an index URL (--box-index): the venv's own pip, the box's index and configuration.
 INSTALL = """
 set -eu
-root=$1 digest=$2 py=$3 pipwhl=$4 spec=$5
+root=$1 digest=$2 py=$3 pipwhl=$4 index=$5 spec=$6
 wheels="$root/wheels/$digest"
 tmp="$root/venvs/.new-$digest-$$"
 trap 'rm -rf "$tmp"' EXIT
-"$py" -m venv --without-pip "$tmp" || {
+if [ -z "$index" ]; then without=--without-pip; else without=; fi
+"$py" -m venv $without "$tmp" || {
   echo "cannot create a venv with $py: install its venv module" \
     "(Debian/Ubuntu: apt-get install python3-venv)" >&2
   exit 3; }
-PIP_CONFIG_FILE=/dev/null "$tmp/bin/python" "$wheels/$pipwhl/pip" install --isolated --no-input \
-  --quiet --no-cache-dir --disable-pip-version-check \
-  --no-index --find-links "$wheels" "$spec"
+if [ -z "$index" ]; then
+  PIP_CONFIG_FILE=/dev/null "$tmp/bin/python" "$wheels/$pipwhl/pip" install --isolated --no-input \
+    --quiet --no-cache-dir --disable-pip-version-check \
+    --no-index --find-links "$wheels" "$spec"
+else
+  "$tmp/bin/python" -m pip install --no-input --quiet --disable-pip-version-check \
+    --index-url "$index" --find-links "$wheels" "$spec"
+fi
 touch "$tmp/.complete"
 if [ -e "$root/venvs/$digest" ]; then rm -rf "$tmp"; else mv "$tmp" "$root/venvs/$digest"; fi
 trap - EXIT
@@ -159,25 +166,6 @@ def check_room(p: Probe, dest: str, need_bytes: int) -> None:
         )
 
 
-INSTALL_FROM_INDEX = """
-set -eu
-root=$1 digest=$2 py=$3 index=$4 spec=$5
-wheels="$root/wheels/$digest"
-tmp="$root/venvs/.new-$digest-$$"
-trap 'rm -rf "$tmp"' EXIT
-"$py" -m venv "$tmp" || {
-  echo "cannot create a venv with pip with $py: install its venv module" \
-    "(Debian/Ubuntu: apt-get install python3-venv)" >&2
-  exit 3; }
-"$tmp/bin/python" -m pip install --no-input --quiet --disable-pip-version-check \
-  --index-url "$index" --find-links "$wheels" "$spec"
-touch "$tmp/.complete"
-if [ -e "$root/venvs/$digest" ]; then rm -rf "$tmp"; else mv "$tmp" "$root/venvs/$digest"; fi
-trap - EXIT
-rm -rf "$wheels"
-"""
-
-
 def check_index_url(url: str) -> str:
     """--box-index: an http(s) or file URL without credentials (they would show in the box's
     process list: keep them in the box's pip.conf or .netrc)."""
@@ -209,47 +197,28 @@ async def ensure_venv(
     `box_index`, for the sidecar wheel and the box's own index), installed if the box does not have
     it yet."""
     if box_index:
-        return await _venv_from_index(conn, dest, p, cache_root, box_index)
-    plat = wheelhouse.BoxPlatform.from_probe(p.platform)
-    house = wheelhouse.build(plat, cache_root, progress=progress)
-    venv_python = f"{p.root}/venvs/{house.digest}/bin/python"
-    if house.digest in p.venvs:
-        return venv_python
-    files = [house.dir / name for name in house.wheels]
-    check_room(p, dest, MIN_FREE_BYTES + sum(f.stat().st_size for f in files))
-    logger.info("installing the sidecar's venv on %s (%d wheels)", dest, len(files))
-    await conn.put(files, f"{p.root}/wheels/{house.digest}")
-    spec = f"boxwarden-sidecar=={__version__}"
-    done = await conn.run(
-        ["/bin/sh", "-c", INSTALL, "sh", p.root, house.digest, p.python, house.pip_wheel, spec], timeout_s=600
-    )
-    if done.returncode != 0:
-        err = done.stderr.decode(errors="replace").strip()[-1500:]
-        raise ControllerError(f"installing the sidecar on {dest} failed (nothing was left running):\n{err}")
-    return venv_python
-
-
-async def _venv_from_index(conn: Connector, dest: str, p: Probe, cache_root: Path, index: str) -> str:
-    """The sidecar wheel from here, its dependencies from the box's own index (`--box-index`)."""
-    wheel = wheelhouse.sidecar_wheel(cache_root / "sidecar-only")
-    digest = "index-" + blake3.blake3(wheel.read_bytes() + b"\0" + index.encode()).hexdigest()[:32]
+        # The sidecar wheel from here, its dependencies from the box's own index.
+        wheel = wheelhouse.sidecar_wheel(cache_root / "sidecar-only")
+        digest = "index-" + blake3.blake3(wheel.read_bytes() + b"\0" + box_index.encode()).hexdigest()[:32]
+        files, pip_wheel = [wheel], ""
+    else:
+        plat = wheelhouse.BoxPlatform.from_probe(p.platform)
+        house = wheelhouse.build(plat, cache_root, progress=progress)
+        digest, pip_wheel = house.digest, house.pip_wheel
+        files = [house.dir / name for name in house.wheels]
     venv_python = f"{p.root}/venvs/{digest}/bin/python"
     if digest in p.venvs:
         return venv_python
-    check_room(p, dest, MIN_FREE_BYTES)
-    await conn.put([wheel], f"{p.root}/wheels/{digest}")
+    check_room(p, dest, MIN_FREE_BYTES + sum(f.stat().st_size for f in files))
+    logger.info("installing the sidecar's venv on %s (%d wheels)", dest, len(files))
+    await conn.put(files, f"{p.root}/wheels/{digest}")
     spec = f"boxwarden-sidecar=={__version__}"
-    done = await conn.run(
-        ["/bin/sh", "-c", INSTALL_FROM_INDEX, "sh", p.root, digest, p.python, index, spec], timeout_s=900
-    )
+    argv = ["/bin/sh", "-c", INSTALL, "sh", p.root, digest, p.python, pip_wheel, box_index or "", spec]
+    done = await conn.run(argv, timeout_s=900)
     if done.returncode != 0:
         err = done.stderr.decode(errors="replace").strip()[-1500:]
+        where = f" from {box_index} (without --box-index the box needs no index at all)" if box_index else ""
         raise ControllerError(
-            f"installing the sidecar on {dest} from {index} failed (nothing was left running); without "
-            f"--box-index the box needs no index at all:\n{err}"
+            f"installing the sidecar on {dest}{where} failed (nothing was left running):\n{err}"
         )
     return venv_python
-
-
-def quote(argv: list[str]) -> str:
-    return " ".join(shlex.quote(a) for a in argv)

@@ -93,8 +93,6 @@ def explain(dest: str, stderr: str) -> ControllerError:
 
 
 class SshConnector:
-    local = False
-
     def __init__(
         self,
         dest: sshargv.Destination,
@@ -244,9 +242,6 @@ class SshConnector:
             if "Address already in use" not in text:  # lost the port race: another try
                 raise explain(self.dest.dest, text)
         raise SidecarUnreachable(f"the SSH forward to {self.dest.dest} found no free local port")
-
-    async def tunnel_pid(self) -> int | None:
-        return self._tunnel.pid if self._tunnel is not None and self._tunnel.returncode is None else None
 
     def caller(self) -> pb.Caller | None:
         return None  # the sidecar's box is not this machine: nothing here is exempt from its scans
