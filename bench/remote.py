@@ -1,8 +1,9 @@
 """Figures: a remote box over a real sshd on 127.0.0.1 (a dedicated Unix user whose home is the box,
 as the tests make it; needs root).
 
-- `remote-pull`: `boxwarden pull` of a `size`-byte checkpoint through the SSH forward, hashed on
-  receipt and written to disk, vs `rsync -e ssh` with the same cipher followed by `b3sum` of the
+- `remote-pull`: `boxwarden pull` of a `size`-byte checkpoint over the box's SSH master (its bytes
+  come over an ssh session straight into the part file, then are hashed and fsynced before the
+  file is put in place), vs `rsync -e ssh` with the same cipher followed by `b3sum` of the
   result (throughput, target ≥ 1.0×). Both sides start a fresh ssh connection and a fresh
   destination each run.
 - `remote-up`: `boxwarden up` of a box whose venv exists (sidecar stopped, no ControlMaster left)
@@ -32,7 +33,7 @@ from bench.common import Context, FigureResult, Side, Timing, clock, interleaved
 logger = logging.getLogger(__name__)
 
 KEY = "remote-pull"
-TITLE = "pull through the SSH forward, hashed on receipt"
+TITLE = "pull over the SSH link, hashed on receipt"
 TARGET = 1.0
 UP_KEY = "remote-up"
 UP_TITLE = "up of a box whose venv exists, to Hello"
@@ -179,7 +180,7 @@ def run(ctx: Context) -> FigureResult:
                 raise RuntimeError(f"{KEY}: rsync's copy hashes {got}, not {want}")
             return Timing(took)
 
-        o = Side("boxwarden pull (tunnel, hash on receipt, 4 in flight)")
+        o = Side("boxwarden pull (bulk over the SSH session, hashed before it is kept, fsynced)")
         b = Side(f"rsync -e 'ssh -c {CIPHER}' && b3sum")
         try:
             interleaved(ctx.runs, ours, baseline, o, b)

@@ -22,7 +22,7 @@ from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector, launch
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, REPLACED_DIR, RESERVED_NAMES
-from controller.pull import Progress, PullReport, pull
+from controller.pathtext import CONTROL, check_path_text
 from controller.reach import connect
 from controller.ssh import argv as sshargv
 from controller.ssh.connector import SshConnector
@@ -33,7 +33,6 @@ NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 RUN_ID_CHARS = "letters, digits, '.', '_', ':' or '-' (at most 128, starting with a letter or digit)"
 RUN_ID_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # SidecarConfig.run_id
 # C0 controls (NUL included), DEL and C1 controls: never part of a path a user means to give.
-CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def check_name(name: str, what: str = "box name") -> str:
@@ -47,21 +46,6 @@ def check_run_id(run_id: str) -> str:
     if not RUN_ID_RULE.fullmatch(run_id):
         raise UsageError(f"run id {run_id!r} is not allowed: use {RUN_ID_CHARS}")
     return run_id
-
-
-def check_path_text(path: Path | str, what: str) -> None:
-    """Refuse control characters (a NUL, a newline, an escape) in a path the user gave, and names
-    that are not UTF-8 (the box's config, the evidence and every message carry paths as text)."""
-    text = str(path)
-    if CONTROL.search(text):
-        raise UsageError(f"{what} {text!r} contains a control character; give the path without it")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UsageError(
-            f"{what} {text!r} is not valid UTF-8 (a name from another encoding); rename it, or give "
-            "another path"
-        ) from None
 
 
 def durable_dir(url: str) -> Path:
@@ -505,17 +489,6 @@ async def _ask(box: Box) -> tuple[pb.HelloResponse, pb.HealthSnapshot]:
         hello = await c.hello(timeout_s=3.0)
         health = await c.health_once()
     return hello, health
-
-
-async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
-    check_path_text(to.resolve(), "the pull target")
-    async with connect(box) as c:
-        await c.hello()
-        rep = await pull(
-            c, root=to, run_id=box.run_id, instance=box.name, roster=box.roster, progress=progress
-        )
-    state.set_pulled_dir(box.name, str(to.resolve()))
-    return rep
 
 
 def pulled_dir(box: Box, override: Path | None) -> Path | None:

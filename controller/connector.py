@@ -9,6 +9,7 @@ over OpenSSH. Both run the box-side half of `up` (`python -m sidecar.launch VERB
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from collections.abc import Sequence
@@ -48,8 +49,17 @@ class Connector(Protocol):
         """What the sidecar may exempt from its stray scan: this process's lineage on a local box."""
         ...
 
-    async def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
-        """Run `argv` on the box (never through a shell on this side) and wait for its end."""
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes = b"",
+        stdout: int | None = None,
+        timeout_s: float | None = 60.0,
+    ) -> Completed:
+        """Run `argv` on the box (never through a shell on this side) and wait for its end.
+        `stdout`: an fd its output goes to (then `Completed.stdout` is empty); `timeout_s` None: no
+        limit (the caller watches progress and cancels)."""
         ...
 
     async def put(self, files: Sequence[Path], remote_dir: str, *, timeout_s: float = 600.0) -> None:
@@ -91,6 +101,43 @@ async def launch(
     return answer
 
 
+async def run_process(
+    argv: Sequence[str],
+    *,
+    stdin: bytes,
+    stdout: int | None,
+    timeout_s: float | None,
+    what: str,
+    new_session: bool = False,
+) -> Completed:
+    """Run `argv` here to its end (killed if it outlives `timeout_s` or the caller is cancelled)."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE if stdout is None else stdout,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=new_session,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
+    except TimeoutError:
+        _kill(proc)
+        await proc.wait()
+        raise SidecarUnreachable(f"{what} did not finish within {timeout_s:.0f}s") from None
+    except BaseException:
+        if proc.returncode is None:
+            _kill(proc)
+            await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return Completed(proc.returncode, out or b"", err)
+
+
+def _kill(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
+
+
 class LocalConnector:
     """A box on this machine: the sidecar's own socket, commands as this user's processes."""
 
@@ -104,26 +151,15 @@ class LocalConnector:
     def caller(self) -> pb.Caller | None:
         return lineage()
 
-    async def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
-        except TimeoutError:
-            proc.kill()
-            await proc.wait()
-            raise SidecarUnreachable(f"{argv[0]} did not finish within {timeout_s:.0f}s") from None
-        except BaseException:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-            raise
-        assert proc.returncode is not None
-        return Completed(proc.returncode, out, err)
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes = b"",
+        stdout: int | None = None,
+        timeout_s: float | None = 60.0,
+    ) -> Completed:
+        return await run_process(argv, stdin=stdin, stdout=stdout, timeout_s=timeout_s, what=argv[0])
 
     async def put(self, files: Sequence[Path], remote_dir: str, *, timeout_s: float = 600.0) -> None:
         raise ControllerError("internal: a local box needs no files copied to it")

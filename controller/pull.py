@@ -5,6 +5,12 @@ box's own directories (`overlap.py`), it can live where it is asked to, and ever
 be created (no file where a directory must go, no directory or symlink where a file must go, no name
 too long). The whole pull holds an exclusive lock on the tree's root directory.
 
+Claims of BULK_MIN bytes or more come over the box connector's command channel
+(`controller.rawcopy`: the box-side `sidecar.send` writes them straight into the part file), the
+others through the sidecar's ReadArtifact stream, hashed chunk by chunk as they arrive. A bulk copy
+that does not hash to the claim is fetched again through ReadArtifact, whose reader hashes the
+bytes on the box too (and seals the file again there if they changed).
+
 Each file arrives as `<root>/.bw-parts/<32 hex of blake3(path)>.part` (a name that fits any
 filesystem), opened relative to directory fds and never through a symlink; an interrupted transfer
 resumes from the part file's size (the bytes already there are hashed first). It is renamed into
@@ -38,8 +44,9 @@ from typing import Protocol, TypeVar
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
+from controller import rawcopy
 from controller.client import SidecarClient
-from controller.digest import StreamHasher, digest_file, path_key
+from controller.digest import FileDigest, StreamHasher, digest_fd, digest_file, path_key
 from controller.errors import SidecarUnreachable, StateError, TransferError, UsageError
 from controller.manifest import (
     MANIFEST_NAME,
@@ -65,6 +72,9 @@ ATTEMPTS = 5
 IN_FLIGHT = 4
 """Files transferred at once: over a high-latency link one file at a time waits a round trip per
 file; more would only share the same link."""
+BULK_MIN = 16 << 20
+"""Claims at least this big come over the connector's command channel (`controller.rawcopy`) when
+the pull is given one; smaller ones, and any the bulk path cannot bring intact, through gRPC."""
 T = TypeVar("T")
 
 
@@ -130,7 +140,7 @@ class PullReport:
     retired: list[str] = field(default_factory=list)  # pulled earlier, no longer claimed, bytes kept
     replaced: list[str] = field(default_factory=list)  # pulled earlier, changed on the box since
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
-    restarted: list[str] = field(default_factory=list)  # resumed, mismatched, fetched again from 0
+    restarted: list[str] = field(default_factory=list)  # a copy that did not match, fetched again from 0
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -159,8 +169,10 @@ async def pull(
     roster: tuple[str, ...],
     progress: Progress | None = None,
     hello: pb.HelloResponse | None = None,
+    sender: rawcopy.Runner | None = None,
 ) -> PullReport:
     """Pull every current claim into `root`. `hello`: the box's Hello answer (asked here if None).
+    `sender`: the box's connector, to bring large claims over its command channel (see BULK_MIN).
 
     UsageError (nothing written) for a tree that overlaps the box's directories, cannot live at
     `root`, belongs to another box or run, or holds bytes at a claim's path that no pull of this box
@@ -195,7 +207,8 @@ async def pull(
         _remove_empty(created)
         raise
     try:
-        return await _pull_locked(client, root, root_fd, claims, manifest, progress)
+        bulk = _Bulk(sender, tuple(hello.watch_dirs)) if sender is not None else None
+        return await _pull_locked(client, root, root_fd, claims, manifest, progress, bulk)
     finally:
         os.close(root_fd)
 
@@ -207,6 +220,7 @@ async def _pull_locked(
     claims: list[pb.Claim],
     manifest: Manifest,
     progress: Progress | None,
+    bulk: _Bulk | None,
 ) -> PullReport:
     report = PullReport(root=root, manifest=manifest)
     placing = _placing(root, manifest)
@@ -230,7 +244,9 @@ async def _pull_locked(
                 if progress:
                     progress.update(claim.path, claim.size, claim.size)
                 return
-            report.bytes_fetched += await _fetch(client, claim, parts_fd, progress, report)
+            # Not `+= await`: that reads the total before the await, and transfers run at once.
+            got = await _fetch(client, claim, parts_fd, progress, report, bulk)
+            report.bytes_fetched += got
             # Everything below runs without an await: no other transfer comes between.
             parent_fd = _open_parent(root, root_fd, dirs)
             try:
@@ -521,8 +537,19 @@ def _part_name(claim: pb.Claim) -> str:
     return f"{path_key(claim.path)}.part"
 
 
+@dataclass(frozen=True)
+class _Bulk:
+    sender: rawcopy.Runner
+    watch_dirs: tuple[str, ...]  # as the sidecar's Hello names them: the box-side sender's roots
+
+
 async def _fetch(
-    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
+    client: SidecarClient,
+    claim: pb.Claim,
+    parts_fd: int,
+    progress: Progress | None,
+    report: PullReport,
+    bulk: _Bulk | None,
 ) -> int:
     """Fetch the claim into its part file (resuming); returns the bytes received that the file keeps."""
     start = _part_size(parts_fd, claim)
@@ -530,10 +557,19 @@ async def _fetch(
         report.resumed[claim.path] = start
     breaks = 0
     restarted = False
+    use_bulk = bulk is not None and claim.size >= BULK_MIN
     while True:
         generation = client.generation
         try:
-            offset, total, digest = await _fetch_once(client, claim, parts_fd, progress)
+            if bulk is not None and use_bulk:
+                try:
+                    offset, total, digest = await _fetch_once_bulk(bulk, claim, parts_fd, progress)
+                except rawcopy.SendRefused as e:
+                    logger.info("%s; reading it through the sidecar", e)
+                    use_bulk = False
+                    continue
+            else:
+                offset, total, digest = await _fetch_once(client, claim, parts_fd, progress)
         except SidecarUnreachable as e:
             breaks += 1
             if breaks >= ATTEMPTS:
@@ -546,9 +582,13 @@ async def _fetch(
             continue
         if total == claim.size and digest == claim.blake3:
             return total - start
-        if offset and not restarted:
-            # The bytes kept from before may be what is wrong: fetch the whole file once more.
-            logger.warning("%s: resumed copy hashed %s…, fetching it again from 0", claim.path, digest[:12])
+        if use_bulk or (offset and not restarted):
+            # A bulk copy of other bytes: the sidecar's own read checks them on the box (and seals
+            # the file again there if they changed). A resumed copy: the bytes kept from before may
+            # be what is wrong. Either way the whole file once more, from 0.
+            how = "bulk copy" if use_bulk else "resumed copy"
+            logger.warning("%s: the %s hashed %s…, fetching it again from 0", claim.path, how, digest[:12])
+            use_bulk = False
             report.restarted.append(claim.path)
             report.bytes_discarded += total - start
             start = 0
@@ -639,6 +679,47 @@ async def _fetch_once(
                 await asyncio.wait({pending})
             os.fsync(fd)
         return offset, offset + received, hasher.hexdigest()
+    except OSError as exc:
+        raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+
+
+async def _fetch_once_bulk(
+    bulk: _Bulk, claim: pb.Claim, parts_fd: int, progress: Progress | None
+) -> tuple[int, int, str]:
+    """One transfer over the connector's command channel; returns (offset resumed from, total, digest),
+    the digest of the whole part file as it lies on disk."""
+    fd = _open_part(parts_fd, claim)
+    try:
+        offset = os.fstat(fd).st_size
+        if offset > claim.size:
+            os.ftruncate(fd, 0)
+            offset = 0
+
+        def arrived(got: int) -> None:
+            if progress:
+                progress.update(claim.path, offset + got, claim.size)
+
+        try:
+            await rawcopy.receive(
+                bulk.sender, claim.path, bulk.watch_dirs, fd, offset, claim.size - offset, arrived
+            )
+        except BaseException:
+            os.fsync(fd)  # what arrived is kept for the next attempt
+            raise
+        # Hashed as it lies on disk, by a child that maps it (as b3sum does), while it is synced;
+        # both end before the fd closes, whichever fails.
+        found, synced = await asyncio.gather(
+            asyncio.to_thread(digest_fd, fd, f"{PARTS_DIR}/{_part_name(claim)}"),
+            asyncio.to_thread(os.fsync, fd),
+            return_exceptions=True,
+        )
+        for outcome in (synced, found):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        assert isinstance(found, FileDigest)
+        return offset, found.bytes, found.blake3
     except OSError as exc:
         raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
     finally:

@@ -2,7 +2,8 @@
 
 A box on this machine is reached on its sidecar's own socket, and the sidecar may exempt this
 process's lineage from its stray scan; a remote box through its SSH connector (no exemption). Kept
-apart from `controller.boxes` so that read-only commands (`artifacts`) load only what they use.
+apart from `controller.boxes` so that commands that only read the box (`artifacts`, `pull`) load only
+what they use.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector
-from controller.state import Box
+from controller.pathtext import check_path_text
+from controller.pull import Progress, PullReport, pull
+from controller.state import Box, State
 
 if TYPE_CHECKING:
     from controller.ssh.connector import SshConnector
@@ -59,6 +62,26 @@ async def connect(box: Box) -> AsyncIterator[SidecarClient]:
     (`SidecarClient.reconnect`)."""
     async with link(box) as conn, SidecarClient(conn=conn) as c:
         yield c
+
+
+async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
+    """Pull the box's claims into `to` (see controller.pull); large ones come over the connector's
+    command channel, the rest through the sidecar."""
+    check_path_text(to.resolve(), "the pull target")
+    async with link(box) as conn, SidecarClient(conn=conn) as c:
+        hello = await c.hello()
+        rep = await pull(
+            c,
+            root=to,
+            run_id=box.run_id,
+            instance=box.name,
+            roster=box.roster,
+            progress=progress,
+            hello=hello,
+            sender=conn,
+        )
+    state.set_pulled_dir(box.name, str(to.resolve()))
+    return rep
 
 
 async def artifacts(box: Box) -> pb.ListArtifactsResponse:

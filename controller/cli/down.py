@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, render, teardown
+from controller import boxes, pathtext, render, teardown
 from controller.cli.options import json_flag, open_state
 from controller.errors import GateRefused, UsageError
 from controller.state import Box, State, exclusive
@@ -48,7 +48,7 @@ def command(
 ) -> None:
     """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
     if pulled is not None:
-        boxes.check_path_text(pulled, "--pulled")
+        pathtext.check_path_text(pulled, "--pulled")
     state = open_state()
     box = state.get(name)
     if dry_run:

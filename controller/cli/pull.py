@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, render
+from controller import reach, render
 from controller.cli.options import json_flag, open_state
 
 
@@ -26,7 +26,7 @@ def command(name: str, to: Path | None, as_json: bool) -> None:
     box = state.get(name)
     dest = to or (Path(box.pulled_dir) if box.pulled_dir else Path(f"pulled-{name}"))
     with render.transfer_progress() as progress:
-        rep = asyncio.run(boxes.pull_box(state, box, dest.resolve(), progress))
+        rep = asyncio.run(reach.pull_box(state, box, dest.resolve(), progress))
     if as_json:
         render.json_out(rep.to_json())
     else:

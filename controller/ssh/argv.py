@@ -83,9 +83,11 @@ def remote_command(argv: Sequence[str]) -> str:
     return "exec " + " ".join(shlex.quote(a) for a in argv)
 
 
-def master(d: Destination, control: str) -> list[str]:
+def master(d: Destination, control: str, forward: tuple[str, str] | None = None) -> list[str]:
     """Start the ControlMaster in the background once authenticated (-f -N); it persists after the
-    last client leaves, so the next command of this box reuses it."""
+    last client leaves, so the next command of this box reuses it. `forward`: (local socket, box
+    socket) to forward from the start, as `forward` would ask of it later."""
+    fwd = ["-L", f"{forward[0]}:{forward[1]}"] if forward else []
     return [
         *d.base(),
         "-o", "ControlMaster=yes",
@@ -93,7 +95,7 @@ def master(d: Destination, control: str) -> list[str]:
         "-o", f"ControlPersist={CONTROL_PERSIST}",
         "-o", "StreamLocalBindUnlink=yes",
         "-o", "ExitOnForwardFailure=yes",
-        "-f", "-N", "--", d.dest,
+        *fwd, "-f", "-N", "--", d.dest,
     ]  # fmt: skip
 
 

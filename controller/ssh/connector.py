@@ -30,7 +30,7 @@ from pathlib import Path
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller.connector import Completed
+from controller.connector import Completed, run_process
 from controller.errors import ControllerError, SidecarUnreachable
 from controller.ssh import argv as sshargv
 
@@ -39,6 +39,9 @@ logger = logging.getLogger(__name__)
 MAX_SUN_PATH = 100  # bytes; ssh adds ".XXXXXXXXXXXXXXXX" to a ControlPath while it binds it
 SSH_FAILED = 255
 MODES = ("master", "tcp")
+MASTER_TRUST_S = 10.0
+"""A master this connector saw live this recently is not asked again (`ssh -O check` is a process
+of its own); a command that fails on the link makes it ask again."""
 
 
 def default_mode(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -117,33 +120,28 @@ class SshConnector:
         self._tunnel: asyncio.subprocess.Process | None = None
         self._port = 0
         self._forwarded = False
+        self._master_seen = -MASTER_TRUST_S  # monotonic time this connector last saw its master live
 
     # -- the link ---------------------------------------------------------------------------
 
-    async def _ssh(self, argv: list[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
+    async def _ssh(
+        self,
+        argv: list[str],
+        *,
+        stdin: bytes = b"",
+        stdout: int | None = None,
+        timeout_s: float | None = 60.0,
+    ) -> Completed:
         logger.debug("ssh: %s", " ".join(argv))
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,  # a Ctrl-C of the CLI reaches ssh through us, not by itself
+        # start_new_session: a Ctrl-C of the CLI reaches ssh through us, not by itself.
+        return await run_process(
+            argv,
+            stdin=stdin,
+            stdout=stdout,
+            timeout_s=timeout_s,
+            what=f"ssh to {self.dest.dest}",
+            new_session=True,
         )
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
-        except TimeoutError:
-            _kill(proc)
-            await proc.wait()
-            raise SidecarUnreachable(
-                f"ssh to {self.dest.dest} did not finish within {timeout_s:.0f}s"
-            ) from None
-        except BaseException:
-            if proc.returncode is None:
-                _kill(proc)
-                await proc.wait()
-            raise
-        assert proc.returncode is not None
-        return Completed(proc.returncode, out, err)
 
     async def master_pid(self) -> int | None:
         """The pid of this box's live ControlMaster, or None."""
@@ -163,44 +161,53 @@ class SshConnector:
         finally:
             os.close(fd)
 
-    async def _ensure_master(self) -> None:
-        _private_dir(self._dir)
-        if await self.master_pid() is not None:
+    async def _ensure_master(self, *, forward: bool = False) -> None:
+        """A live master for this box; started here if there is none, then with the forward of
+        the sidecar's socket when `forward` (one login instead of a login and a forward)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._master_seen < MASTER_TRUST_S:
             return
-        with self._locked():
-            if await self.master_pid() is not None:
-                return
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.control_path)  # a dead master's socket: ssh would not bind over it
-            self._forwarded = False
-            log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            try:
-                # The master runs on in the background with our stderr: a file, never a pipe
-                # (a pipe would stay open, and a reader would wait for its end forever).
-                proc = await asyncio.create_subprocess_exec(
-                    *sshargv.master(self.dest, self.control_path),
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=log,
-                    start_new_session=True,
-                )
-            finally:
-                os.close(log)
-            try:
-                code = await asyncio.wait_for(proc.wait(), 60)
-            except TimeoutError:
-                _kill(proc)
-                await proc.wait()
-                raise SidecarUnreachable(f"ssh to {self.dest.dest} did not connect within 60s") from None
-            if code != 0:
-                raise explain(self.dest.dest, self._log.read_text(errors="replace"))
+        _private_dir(self._dir)
+        if await self.master_pid() is None:
+            with self._locked():
+                if await self.master_pid() is None:
+                    await self._start_master(forward)
+        self._master_seen = loop.time()
+
+    async def _start_master(self, forward: bool) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.control_path)  # a dead master's socket: ssh would not bind over it
+        self._forwarded = False
+        fwd = (self.local_socket, self.remote_socket) if forward and self.remote_socket else None
+        log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            # The master runs on in the background with our stderr: a file, never a pipe
+            # (a pipe would stay open, and a reader would wait for its end forever).
+            proc = await asyncio.create_subprocess_exec(
+                *sshargv.master(self.dest, self.control_path, fwd),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=log,
+                start_new_session=True,
+            )
+        finally:
+            os.close(log)
+        try:
+            code = await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            _kill(proc)
+            await proc.wait()
+            raise SidecarUnreachable(f"ssh to {self.dest.dest} did not connect within 60s") from None
+        if code != 0:
+            raise explain(self.dest.dest, self._log.read_text(errors="replace"))
+        self._forwarded = fwd is not None
 
     async def target(self) -> str:
         if not self.remote_socket:
             raise ControllerError("internal: the box's socket is not known yet")
         if self.mode == "tcp":
             return await self._tcp_target()
-        await self._ensure_master()
+        await self._ensure_master(forward=True)
         if not self._forwarded:
             argv = sshargv.forward(self.dest, self.control_path, self.local_socket, self.remote_socket)
             done = await self._ssh(argv, timeout_s=30)
@@ -246,13 +253,22 @@ class SshConnector:
     def caller(self) -> pb.Caller | None:
         return None  # the sidecar's box is not this machine: nothing here is exempt from its scans
 
-    async def run(self, argv: Sequence[str], *, stdin: bytes = b"", timeout_s: float = 60.0) -> Completed:
+    async def run(
+        self,
+        argv: Sequence[str],
+        *,
+        stdin: bytes = b"",
+        stdout: int | None = None,
+        timeout_s: float | None = 60.0,
+    ) -> Completed:
         cp = None
         if self.mode == "master":
             await self._ensure_master()
             cp = self.control_path
-        done = await self._ssh(sshargv.command(self.dest, argv, cp), stdin=stdin, timeout_s=timeout_s)
+        argv = sshargv.command(self.dest, argv, cp)
+        done = await self._ssh(argv, stdin=stdin, stdout=stdout, timeout_s=timeout_s)
         if done.returncode == SSH_FAILED:
+            self._master_seen = -MASTER_TRUST_S
             raise explain(self.dest.dest, done.stderr.decode(errors="replace"))
         return done
 
@@ -274,6 +290,7 @@ class SshConnector:
 
     async def reset(self) -> None:
         self._forwarded = False
+        self._master_seen = -MASTER_TRUST_S
         if self.mode == "tcp":
             await self._end_tunnel()
             return

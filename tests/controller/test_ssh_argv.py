@@ -78,7 +78,12 @@ def test_the_master_persists_in_the_background_and_unlinks_a_stale_forward_socke
     opts = _options(argv)
     assert {"ControlMaster=yes", "ControlPath=/c/x.cm", "StreamLocalBindUnlink=yes"} <= set(opts)
     assert any(o.startswith("ControlPersist=") for o in opts)
-    assert "-f" in argv and "-N" in argv
+    assert "-f" in argv and "-N" in argv and "-L" not in argv
+    with_forward = a.master(D, "/c/x.cm", ("/c/x.gs", "/home/u/s.sock"))
+    assert with_forward[with_forward.index("-L") + 1] == "/c/x.gs:/home/u/s.sock"
+    assert with_forward.index("-L") < with_forward.index("--") and "ExitOnForwardFailure=yes" in _options(
+        argv
+    )
 
 
 def test_the_forward_joins_a_local_and_a_remote_unix_socket() -> None:
