@@ -14,7 +14,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -109,6 +109,21 @@ class State:
 
     def close(self) -> None:
         self._db.close()
+
+    @staticmethod
+    def peek(home: Path, names: Sequence[str] | None = None) -> list[Box]:
+        """The records of boxes `names` (every box if None) as they are, read-only: nothing is
+        created or locked, and a home without state has no boxes."""
+        db_path = home / "state.db"
+        if not db_path.exists():
+            return []
+        db = sqlite3.connect(f"{db_path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+        try:
+            rows = db.execute("SELECT name, record FROM boxes ORDER BY name").fetchall()
+        finally:
+            db.close()
+        wanted = set(names) if names is not None else None
+        return [Box.from_json(json.loads(rec)) for name, rec in rows if wanted is None or name in wanted]
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:

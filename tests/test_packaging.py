@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
 IMPORT_PACKAGES = ("sidecar", "controller", "boxwarden_pb", "boxwarden_profiles")
-SCRIPTS = {"boxwarden": "controller.cli:main", "boxwarden-sidecar": "sidecar.__main__:main"}
+SCRIPTS = {"boxwarden": "controller.__main__:main", "boxwarden-sidecar": "sidecar.__main__:main"}
 
 
 def run(

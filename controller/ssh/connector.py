@@ -16,83 +16,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import io
 import logging
 import os
-import re
 import signal
 import socket
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.connector import Completed, run_process
 from controller.errors import ControllerError, SidecarUnreachable
 from controller.ssh import argv as sshargv
+from controller.ssh import master
+from controller.ssh.master import explain
 
 logger = logging.getLogger(__name__)
 
-MAX_SUN_PATH = 100  # bytes; ssh adds ".XXXXXXXXXXXXXXXX" to a ControlPath while it binds it
 SSH_FAILED = 255
-MODES = ("master", "tcp")
 MASTER_TRUST_S = 10.0
 """A master this connector saw live this recently is not asked again (`ssh -O check` is a process
 of its own); a command that fails on the link makes it ask again."""
-
-
-def default_mode(env: dict[str, str] | os._Environ[str] = os.environ) -> str:
-    mode = env.get("BOXWARDEN_SSH_MODE") or ("tcp" if os.name == "nt" else "master")
-    if mode not in MODES:
-        raise ControllerError(f"BOXWARDEN_SSH_MODE={mode!r}: use one of {', '.join(MODES)}")
-    return mode
-
-
-def link_dir(home: Path) -> Path:
-    """The 0700 directory of the controller-side sockets (control socket, forwarded socket): under
-    $BOXWARDEN_HOME when the paths fit in sun_path, else under /tmp/boxwarden-<uid>."""
-    natural = home / "l"
-    if len(os.fsencode(natural)) + 40 <= MAX_SUN_PATH:
-        return natural
-    return Path(f"/tmp/boxwarden-{os.getuid()}")
-
-
-def _private_dir(d: Path) -> Path:
-    d.mkdir(parents=True, exist_ok=True, mode=0o700)
-    st = d.stat()
-    if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise ControllerError(
-            f"{d} must be a directory of yours with mode 0700 (the SSH link's sockets live there)"
-        )
-    return d
-
-
-def explain(dest: str, stderr: str) -> ControllerError:
-    """What an ssh failure means for the user, and what to run."""
-    text = stderr.strip()
-    last = "\n".join(text.splitlines()[-6:])
-    if "REMOTE HOST IDENTIFICATION HAS CHANGED" in text or ("Host key for" in text and "has changed" in text):
-        return ControllerError(
-            f"the SSH host key of {dest} has CHANGED since you last connected; boxwarden refuses to use it. "
-            f"If you know why (the box was re-created), remove the old key with `ssh-keygen -R HOST` and "
-            f"connect once with `ssh {dest}` to check the new one.\nssh said: {last}"
-        )
-    if "host key is known" in text or "Host key verification failed" in text:
-        return ControllerError(
-            f"the SSH host key of {dest} is not known here, and boxwarden never accepts one for you: "
-            f"connect once with `ssh {dest}`, check the fingerprint, accept it, then run this again.\n"
-            f"ssh said: {last}"
-        )
-    if "Permission denied" in text or "passphrase" in text.lower() or "password" in text.lower():
-        return ControllerError(
-            f"ssh cannot log in to {dest} without a prompt (boxwarden runs ssh with BatchMode=yes): load "
-            f"your key into ssh-agent (`ssh-add`) or name it with IdentityFile in ~/.ssh/config.\n"
-            f"ssh said: {last}"
-        )
-    return SidecarUnreachable(f"ssh to {dest} failed: {last or 'no message'}")
 
 
 class SshConnector:
@@ -108,15 +54,14 @@ class SshConnector:
     ) -> None:
         """tag: a short name for this box's controller-side sockets (unique per box and home)."""
         self.dest = dest
-        self.mode = mode or default_mode()
+        self.mode = mode or master.default_mode(os.environ)
         self.remote_socket = remote_socket
         self.python = python
-        key = blake3.blake3(f"{home}\0{tag}".encode()).hexdigest()[:16]
-        self._dir = link_dir(home)
-        self.control_path = str(self._dir / f"{key}.cm")
-        self.local_socket = str(self._dir / f"{key}.gs")
-        self._lock = self._dir / f"{key}.lock"
-        self._log = self._dir / f"{key}.log"
+        self._paths = master.LinkPaths.of(home, tag)
+        self._dir = self._paths.dir
+        self.control_path = self._paths.control
+        self.local_socket = self._paths.local_socket
+        self._log = self._paths.log
         self._tunnel: asyncio.subprocess.Process | None = None
         self._port = 0
         self._forwarded = False
@@ -145,62 +90,21 @@ class SshConnector:
 
     async def master_pid(self) -> int | None:
         """The pid of this box's live ControlMaster, or None."""
-        if self.mode != "master" or not os.path.exists(self.control_path):
+        if self.mode != "master":
             return None
-        done = await self._ssh(sshargv.control(self.dest, self.control_path, "check"), timeout_s=15)
-        m = re.search(rb"pid=(\d+)", done.stderr)
-        return int(m.group(1)) if done.returncode == 0 and m else None
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """One master start per box at a time (two `status` at once must not start two masters)."""
-        fd = os.open(self._lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)
+        return await asyncio.to_thread(master.master_pid, self.dest, self.control_path)
 
     async def _ensure_master(self, *, forward: bool = False) -> None:
-        """A live master for this box; started here if there is none, then with the forward of
-        the sidecar's socket when `forward` (one login instead of a login and a forward)."""
+        """A live master for this box (see master.ensure); started with the forward of the
+        sidecar's socket when `forward`."""
         loop = asyncio.get_running_loop()
         if loop.time() - self._master_seen < MASTER_TRUST_S:
             return
-        _private_dir(self._dir)
-        if await self.master_pid() is None:
-            with self._locked():
-                if await self.master_pid() is None:
-                    await self._start_master(forward)
+        if await asyncio.to_thread(
+            master.ensure, self.dest, self._paths, self.remote_socket if forward else ""
+        ):
+            self._forwarded = True
         self._master_seen = loop.time()
-
-    async def _start_master(self, forward: bool) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.control_path)  # a dead master's socket: ssh would not bind over it
-        self._forwarded = False
-        fwd = (self.local_socket, self.remote_socket) if forward and self.remote_socket else None
-        log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            # The master runs on in the background with our stderr: a file, never a pipe
-            # (a pipe would stay open, and a reader would wait for its end forever).
-            proc = await asyncio.create_subprocess_exec(
-                *sshargv.master(self.dest, self.control_path, fwd),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL,
-                stderr=log,
-                start_new_session=True,
-            )
-        finally:
-            os.close(log)
-        try:
-            code = await asyncio.wait_for(proc.wait(), 60)
-        except TimeoutError:
-            _kill(proc)
-            await proc.wait()
-            raise SidecarUnreachable(f"ssh to {self.dest.dest} did not connect within 60s") from None
-        if code != 0:
-            raise explain(self.dest.dest, self._log.read_text(errors="replace"))
-        self._forwarded = fwd is not None
 
     async def target(self) -> str:
         if not self.remote_socket:
@@ -221,7 +125,7 @@ class SshConnector:
             return f"ipv4:127.0.0.1:{self._port}"
         for _attempt in range(3):
             self._port = _free_port()
-            _private_dir(self._dir)
+            master.private_dir(self._dir)
             log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
                 self._tunnel = await asyncio.create_subprocess_exec(
