@@ -28,6 +28,8 @@ STALL_S = 60.0
 """No byte for this long while the sender runs is a broken link."""
 
 POLL_S = 0.1
+TAIL_S = 5.0
+"""After the sender's exit, how long the last bytes may take to land (a master writes them)."""
 WRITEBACK_STEP = 64 << 20
 
 
@@ -81,6 +83,8 @@ async def receive(
             if got - flushed >= WRITEBACK_STEP and (flushing is None or flushing.done()):
                 flushed = got
                 flushing = asyncio.ensure_future(asyncio.to_thread(_writeback, fd))
+            if got > length:  # never let a sender fill the disk
+                raise SendRefused(f"{art}: the box sent more than the {length} bytes asked for")
             if got != seen:
                 seen, since = got, loop.time()
             elif not proc.done() and loop.time() - since > STALL_S:
@@ -95,8 +99,13 @@ async def receive(
     if done.returncode != 0:
         msg = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no message"]
         raise SendRefused(f"{art}: the box did not send it (exit {done.returncode}): {msg[0]}")
-    got = os.fstat(fd).st_size - offset
-    if got < length:  # more is for the digest to refuse
+    # The ssh client may end a moment before its master has written the last bytes it holds.
+    deadline = loop.time() + TAIL_S
+    while (got := os.fstat(fd).st_size - offset) < length and loop.time() < deadline:
+        await asyncio.sleep(POLL_S / 2)
+    if got > length:
+        raise SendRefused(f"{art}: the box sent more than the {length} bytes asked for")
+    if got < length:
         raise SidecarUnreachable(f"{art}: the stream ended after {got} of {length} bytes")
 
 

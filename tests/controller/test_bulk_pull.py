@@ -149,6 +149,26 @@ def test_a_bulk_copy_of_other_bytes_is_read_again_through_the_sidecar(
     bw.ok("verify", str(bw.cwd / "pulled"))
 
 
+def test_a_sender_that_sends_more_than_asked_is_stopped_before_it_fills_the_disk(
+    bw: Bw, two_claims: dict[str, Path], tmp_path: Path
+) -> None:
+    pidfile = tmp_path / "endless.pid"
+
+    def endless(argv: Sequence[str]) -> list[str]:
+        code = (
+            "import os,sys; open(sys.argv[1],'w').write(str(os.getpid())); b=bytes(1<<20)\n"
+            "while True: os.write(1, b)"
+        )
+        return [sys.executable, "-c", code, str(pidfile)]
+
+    rep, calls = pull_over(bw, "b1", bw.cwd / "pulled", swap=endless)
+    assert rep.restarted == [] and "cell-a/big.pt" in rep.fetched
+    assert len(calls) == 1 and not pid_alive(int(pidfile.read_text()))
+    pulled = bw.cwd / "pulled" / "cell-a" / "big.pt"
+    assert pulled.read_bytes() == (two_claims["watch"] / "cell-a" / "big.pt").read_bytes()
+    assert not (bw.cwd / "pulled" / ".bw-parts").exists()
+
+
 def test_a_sender_that_refuses_hands_over_to_the_sidecar(
     bw: Bw, two_claims: dict[str, Path], tmp_path: Path
 ) -> None:
