@@ -11,20 +11,14 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
-from rich.console import Console
-from rich.markup import escape as _markup_escape
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
 
+# rich is imported where it is used (about 0.1 s): a `--json` command never loads it, and a command
+# that prints no table or progress bar loads only its console.
 if TYPE_CHECKING:  # annotations only: `artifacts --json` must not pay for importing all of these
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
+    from rich.table import Table
+
     from controller.bootstrap import UpResult
     from controller.checks import Finding
     from controller.errors import Reason
@@ -53,12 +47,22 @@ def safe(text: str, *, multiline: bool = False) -> str:
 
 def esc(text: str, *, multiline: bool = False) -> str:
     """Untrusted text made safe to print with markup: terminal controls escaped, markup escaped."""
-    return _markup_escape(safe(text, multiline=multiline))
+    from rich.markup import escape
+
+    return escape(safe(text, multiline=multiline))
 
 
 def _console() -> Console:
     # Built per call so that a redirected sys.stderr (tests, pipes) is honoured.
+    from rich.console import Console
+
     return Console(file=sys.stderr, highlight=False, soft_wrap=True)
+
+
+def _table(title: str) -> Table:
+    from rich.table import Table
+
+    return Table(title=title)
 
 
 def info(msg: str) -> None:
@@ -148,7 +152,7 @@ STATUS_COLUMNS = (
 
 
 def status(rows: Sequence[dict[str, object]]) -> None:
-    t = Table(title="boxes")
+    t = _table("boxes")
     for title, _key in STATUS_COLUMNS:
         t.add_column(title, no_wrap=True)
     for r in rows:
@@ -163,7 +167,7 @@ def status(rows: Sequence[dict[str, object]]) -> None:
 
 
 def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
-    t = Table(title=f"{box}: {len(listing.claims)} claims, manifest {listing.manifest_digest[:16]}…")
+    t = _table(f"{box}: {len(listing.claims)} claims, manifest {listing.manifest_digest[:16]}…")
     for col in ("path", "bytes", "blake3", "durable", "sealed"):
         t.add_column(col)
     for c in listing.claims:
@@ -193,6 +197,15 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
 @contextmanager
 def transfer_progress() -> Iterator[TransferProgress]:
     """A bar for the whole pull (bytes, rate, time left), and one line per finished file."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
     c = _console()
     bar = Progress(
         TextColumn("{task.description}"),
@@ -278,7 +291,7 @@ def verify_report(rep: VerifyReport) -> None:
 
 def verdict(v: Verdict, *, dry_run: bool) -> None:
     c = _console()
-    t = Table(title=f"down {v.box}: evidence")
+    t = _table(f"down {v.box}: evidence")
     t.add_column("check")
     t.add_column("result")
     t.add_column("detail")
@@ -373,7 +386,7 @@ def profile_summary(p: Profile) -> dict[str, object]:
 
 
 def profile_list(ps: Sequence[Profile]) -> None:
-    t = Table(title="profiles")
+    t = _table("profiles")
     for col in ("name", "kind", "meter stop", "irreversible", "spot", "verified"):
         t.add_column(col, no_wrap=True)
     t.add_column("description")
@@ -432,7 +445,7 @@ def profile_show(p: Profile) -> None:
         c.print(safe(f"  by hand: {ms.manual}", multiline=True), markup=False)
     if ms.note:
         c.print(safe(f"  note: {ms.note}", multiline=True), markup=False)
-    t = Table(title=f"what survives on {esc(p.name)}")
+    t = _table(f"what survives on {esc(p.name)}")
     for col in (
         "tier",
         "path",

@@ -4,10 +4,14 @@ $BOXWARDEN_HOME; helpers that await a condition with a deadline (never a bare sl
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import random
+import shutil
 import signal
 import sqlite3
+import struct
 import subprocess
 import sys
 import time
@@ -27,13 +31,110 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-gpu", action="store_true", help="run tests that need a real NVIDIA GPU")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep compiled bytecode, whatever PYTHONDONTWRITEBYTECODE says: pytest then caches the test
+    modules it rewrites for its assertions (each xdist worker collects every module again), and the
+    project's own packages are byte-compiled once, in the main process, before any test. The tests
+    start the CLI, local sidecars and `sidecar.launch` in a thousand fresh processes, each importing
+    dozens of these modules; without the .pyc files each would compile them from source again. A
+    stale .pyc is never used (Python checks the source's mtime and size), so this only saves time;
+    the files go to the usual, git-ignored __pycache__ directories."""
+    sys.dont_write_bytecode = False
+    if hasattr(config, "workerinput"):  # an xdist worker: the main process compiled already
+        return
+    import compileall
+
+    for package in (REPO / "controller", REPO / "sidecar", REPO / "proto" / "boxwarden_pb"):
+        compileall.compile_dir(package, quiet=2)
+
+
+# The order tests are handed out in (xdist hands them out in collection order, so each worker runs
+# its share in this order too), sorted once the session has collected them:
+#
+# 1. tests/sidecar first. Its job tests run a JobSupervisor inside the test process, and that counts
+#    every child of the process as the job's: the sshd fixture's server, a child of the process that
+#    first asks for it and kept for the rest of the session, must not exist yet.
+# 2. Then the modules with the longest tests (a shared build, a training run, a box or a sidecar per
+#    test), longest first, so that the run does not end with one worker still on a long test while
+#    the others have nothing left. Only an order: a name here that no longer exists changes nothing.
+# 3. Then every other module, in the usual order.
+SLOW_FIRST = (
+    "tests/test_packaging.py",
+    "tests/test_train_tiny.py",
+    "tests/test_tree_invariant.py",
+    "tests/test_remote_e2e.py",
+    "tests/controller/test_teardown_resume.py",
+    "tests/test_gate_reasons.py",
+    "tests/test_review12_e2e.py",
+    "tests/controller/test_pull_hardening.py",
+    "tests/test_iron_law_e2e.py",
+    "tests/test_review7_e2e.py",
+    "tests/controller/test_meter_stop.py",
+    "tests/test_review4_e2e.py",
+    "tests/controller/test_input_hardening.py",
+    "tests/controller/test_cli_up.py",
+    "tests/controller/test_bulk_pull.py",
+)
+FIRST_DIR = "tests/sidecar/"
+
+
+def _run_order(item: pytest.Item) -> tuple[int, int]:
+    module = item.nodeid.split("::")[0]
+    if module.startswith(FIRST_DIR):
+        return (0, 0)
+    return (1, SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_run_order)  # stable: within a module, the usual order
     if config.getoption("--run-gpu"):
         return
     skip = pytest.mark.skip(reason="needs a real GPU: run with --run-gpu on a GPU machine")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def session_dir(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """The directory `name` of this test session, shared by its xdist workers (their temp dirs are
+    siblings in the session's own dir)."""
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    d.mkdir(exist_ok=True)
+    return d
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path, *, wait: bool = True) -> Iterator[bool]:
+    """Hold an exclusive lock on the file `lock` (made if missing) for the block; the xdist workers
+    are processes, so it serializes them. With `wait=False` the block gets False at once when another
+    holds it, True when it is ours."""
+    with open(lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]) -> Path:
+    """The directory `name` of this test session, filled by `build(dir)` once for the session: the
+    first xdist worker to ask builds it while any other waits for it, then they all read the same one
+    (a module fixture would build it again in every worker that runs a test of the module). After a
+    build that failed, the next to ask starts again from an empty directory."""
+    shared = session_dir(tmp_path_factory, "built-once")
+    d, done = shared / name, shared / f"{name}.done"
+    with exclusive(shared / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir()
+            build(d)
+            done.touch()
+    return d
 
 
 def wait_until(pred: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -88,6 +189,27 @@ def save_ckpt(path: Path, seed: int = 0, size: int = 1000) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_weights(path: Path, seed: int = 0, size: int = 1000) -> None:
+    """A real safetensors checkpoint (one float32 tensor of `size` values and a step in its
+    metadata), written the atomic way `save_ckpt` writes. Its load probe reads the header and needs
+    no torch: for the tests whose subject is not the torch load probe, where a verify that must
+    import torch (two seconds of CPU, forty times a run) buys nothing."""
+    data = random.Random(seed).randbytes(4 * size)
+    header = {
+        "__metadata__": {"step": str(seed)},
+        "w": {"dtype": "F32", "shape": [size], "data_offsets": [0, len(data)]},
+    }
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)  # the reference writer pads the header to 8 bytes
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw + data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -1,5 +1,8 @@
 """Every gate reason code, produced from a real situation: the real CLI, the real sidecar on its
-real socket, real torch checkpoints. Each test asserts the exact code (and path where it has one)."""
+real socket, real checkpoints. Each test asserts the exact code (and path where it has one).
+
+The torch load probe is the subject of the clean case and of the UNLOADABLE tests, which keep real
+torch checkpoints; the other tests keep real safetensors checkpoints, whose probe needs no torch."""
 
 from __future__ import annotations
 
@@ -14,9 +17,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Bw, pid_alive, save_ckpt, wait_until
+from tests.conftest import Bw, pid_alive, save_ckpt, save_weights, wait_until
 
 NAME = "box1"
+W = "best.safetensors"  # the checkpoint of a box from verified_box(torch=False)
 
 
 def codes(doc: dict[str, Any]) -> set[tuple[str, str]]:
@@ -27,12 +31,14 @@ def only_codes(doc: dict[str, Any]) -> set[str]:
     return {r["code"] for r in doc["reasons"]}
 
 
-def verified_box(bw: Bw, *roster: str) -> dict[str, Path]:
-    """A box with two cells checkpointed, durable, pulled and verified: the clean starting point."""
+def verified_box(bw: Bw, *roster: str, torch: bool = False) -> dict[str, Path]:
+    """A box with two cells checkpointed (`best.pt` with `torch`, else `W`), durable, pulled and
+    verified: the clean starting point."""
     args = [a for cell in roster for a in ("--roster", cell)]
     paths = bw.up(NAME, *args)
-    save_ckpt(paths["watch"] / "cell-a" / "best.pt", seed=1)
-    save_ckpt(paths["watch"] / "cell-b" / "best.pt", seed=2)
+    save, name = (save_ckpt, "best.pt") if torch else (save_weights, W)
+    save(paths["watch"] / "cell-a" / name, seed=1)
+    save(paths["watch"] / "cell-b" / name, seed=2)
     (paths["watch"] / "cell-a" / "metrics.json").write_text('{"loss": 0.5}')
     bw.wait_durable(NAME, 3)
     pulled = bw.cwd / "pulled"
@@ -50,7 +56,7 @@ def down_dry(bw: Bw) -> dict[str, Any]:
 
 
 def test_clean_case_is_allowed_and_down_tears_down(bw: Bw) -> None:
-    p = verified_box(bw, "cell-a", "cell-b")
+    p = verified_box(bw, "cell-a", "cell-b", torch=True)
     dry = down_dry(bw)
     assert dry["allowed"] is True, dry["reasons"]
     assert dry["reasons"] == []
@@ -72,11 +78,11 @@ def test_clean_case_is_allowed_and_down_tears_down(bw: Bw) -> None:
 
 def test_flipped_byte_is_hash_mismatch(bw: Bw) -> None:
     p = verified_box(bw)
-    f = p["pulled"] / "cell-a" / "best.pt"
+    f = p["pulled"] / "cell-a" / W
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0x01
     f.write_bytes(bytes(data))
-    assert ("HASH_MISMATCH", "cell-a/best.pt") in codes(down_dry(bw))
+    assert ("HASH_MISMATCH", f"cell-a/{W}") in codes(down_dry(bw))
     r = bw("verify", str(p["pulled"]), "--json")
     assert r.returncode == 3
     assert not (p["pulled"] / "PULL_VERIFIED.json").exists()
@@ -84,9 +90,9 @@ def test_flipped_byte_is_hash_mismatch(bw: Bw) -> None:
 
 def test_truncated_file_is_size_mismatch(bw: Bw) -> None:
     p = verified_box(bw)
-    f = p["pulled"] / "cell-b" / "best.pt"
+    f = p["pulled"] / "cell-b" / W
     os.truncate(f, f.stat().st_size - 10)
-    assert ("SIZE_MISMATCH", "cell-b/best.pt") in codes(down_dry(bw))
+    assert ("SIZE_MISMATCH", f"cell-b/{W}") in codes(down_dry(bw))
 
 
 def test_missing_file_is_missing(bw: Bw) -> None:
@@ -104,7 +110,7 @@ def test_extra_file_is_extra(bw: Bw) -> None:
 def test_missing_roster_cell_is_roster_incomplete(bw: Bw) -> None:
     verified = None
     p = bw.up(NAME, "--roster", "cell-a", "--roster", "cell-c")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    save_weights(p["watch"] / "cell-a" / W, seed=1)
     bw.wait_durable(NAME, 1)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", NAME, "--to", str(pulled))
@@ -221,7 +227,7 @@ def tiny_tmpfs(tmp_path: Path) -> Any:
 
 def test_push_to_a_full_durable_store_is_not_durable(bw: Bw, tiny_tmpfs: Path) -> None:
     p = bw.up(NAME, "--durable", tiny_tmpfs.as_uri())
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1, size=100_000)  # ~400 KB > 64 KiB
+    save_weights(p["watch"] / "cell-a" / W, seed=1, size=100_000)  # ~400 KB > 64 KiB
     claim = wait_until(
         lambda: [c for c in bw.artifacts(NAME).get("claims", []) if c.get("push_error")],
         what="a push error",
@@ -231,7 +237,7 @@ def test_push_to_a_full_durable_store_is_not_durable(bw: Bw, tiny_tmpfs: Path) -
     bw.ok("pull", NAME, "--to", str(pulled))
     bw.ok("verify", str(pulled))
     doc = down_dry(bw)
-    assert codes(doc) == {("NOT_DURABLE", "cell-a/best.pt")}
+    assert codes(doc) == {("NOT_DURABLE", f"cell-a/{W}")}
     bw.cleanup()  # the sidecar holds no file on the mount, but stop it before the unmount anyway
 
 
@@ -243,7 +249,7 @@ def test_no_confirmation_is_not_confirmed(bw: Bw) -> None:
     wrong = bw("down", NAME, "--json", "--confirm", "box2")
     assert wrong.returncode == 3
     assert {x["code"] for x in json.loads(wrong.stdout)["reasons"]} == {"NOT_CONFIRMED"}
-    assert (p["watch"] / "cell-a" / "best.pt").exists()
+    assert (p["watch"] / "cell-a" / W).exists()
     assert all(pid_alive(pid) for pid in bw.sidecar_pids())
 
 
@@ -304,11 +310,11 @@ def test_interactive_prompt_wrong_name_refuses_right_name_tears_down(bw: Bw) -> 
     code, out = _down_on_a_terminal(bw, "not-the-box")
     assert code == 3, out
     assert "NOT_CONFIRMED" in out
-    assert (p["watch"] / "cell-a" / "best.pt").exists()
+    assert (p["watch"] / "cell-a" / W).exists()
     code, out = _down_on_a_terminal(bw, NAME)
     assert code == 0, out
     assert "gone" in out
-    assert not (p["watch"] / "cell-a" / "best.pt").exists()
+    assert not (p["watch"] / "cell-a" / W).exists()
 
 
 def test_nothing_pulled_is_not_pulled(bw: Bw) -> None:

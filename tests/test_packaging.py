@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import built_once
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,16 +73,21 @@ def project_version() -> str:
     return version
 
 
+# The tree, the wheel and the venv are built once for the session (`built_once`): under xdist the
+# tests of this module may run on several workers, which share them instead of building each their own.
+
+
 @pytest.fixture(scope="module")
 def src_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return copy_worktree(tmp_path_factory.mktemp("pkg") / "src")
+    return built_once(tmp_path_factory, "pkg", lambda d: copy_worktree(d / "src")) / "src"
 
 
 @pytest.fixture(scope="module")
-def wheel(src_tree: Path) -> Path:
-    dist = src_tree.parent / "dist"
-    run([sys.executable, "-m", "build", "--wheel", "--outdir", dist, src_tree], cwd=src_tree.parent)
-    (whl,) = dist.glob("*.whl")
+def wheel(src_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    def build(dist: Path) -> None:
+        run([sys.executable, "-m", "build", "--wheel", "--outdir", dist, src_tree], cwd=src_tree.parent)
+
+    (whl,) = built_once(tmp_path_factory, "pkg-dist", build).glob("*.whl")
     return whl
 
 
@@ -93,11 +100,16 @@ def wheel_names(wheel: Path) -> set[str]:
 @pytest.fixture(scope="module")
 def venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A clean venv (no system site-packages) with only the wheel and its declared dependencies."""
-    venv = tmp_path_factory.mktemp("venv") / "v"
-    env = clean_env()
-    run([sys.executable, "-m", "venv", venv], env=env)
-    run([venv / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel], env=env)
-    return venv
+
+    def build(d: Path) -> None:
+        venv = d / "v"
+        env = clean_env()
+        run([sys.executable, "-m", "venv", venv], env=env)
+        run(
+            [venv / "bin/python", "-m", "pip", "install", "-q", "--disable-pip-version-check", wheel], env=env
+        )
+
+    return built_once(tmp_path_factory, "pkg-venv", build) / "v"
 
 
 def test_wheel_ships_contract_profiles_and_type_markers(wheel_names: set[str], src_tree: Path) -> None:

@@ -1,12 +1,21 @@
 """Remote boxes over a real sshd on 127.0.0.1: each box is a dedicated Unix user whose home is the
 box, reached through a Host alias in an ssh_config the controller is pointed at
 ($BOXWARDEN_SSH_CONFIG). The controller installs the sidecar's venv there from its own wheelhouse,
-starts it detached, and drives the whole lifecycle through the SSH link."""
+starts it detached, and drives the whole lifecycle through the SSH link.
+
+The tests whose subject is the bootstrap (up from nothing, no index, --box-index, state on the
+durable tier, what is refused) install the venv for real. The others (`remote.up(box, seeded=True)`)
+start on a box that already has it: a copy of a venv `up` installed for real earlier in the session
+(`VenvTemplate`), under the name `up` looks for (the wheelhouse's digest) and owned by the box user,
+so `up` finds it complete and goes straight to starting the sidecar."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -16,7 +25,7 @@ from typing import Any
 import pytest
 
 from controller.ssh.argv import Destination
-from tests.conftest import REPO, Bw, wait_until
+from tests.conftest import REPO, Bw, exclusive, session_dir, wait_until
 from tests.controller.test_meter_stop import fake_profile
 from tests.sshbox import Box, SshBoxFactory
 
@@ -36,19 +45,105 @@ def remote_profile(tmp_path: Path, kind: str = "ssh") -> Path:
 @pytest.fixture(scope="session")
 def wheel_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One wheelhouse cache for every test (and xdist worker) of the session."""
-    d = tmp_path_factory.getbasetemp().parent / "wheelhouse"
-    d.mkdir(exist_ok=True)
-    return d
+    return session_dir(tmp_path_factory, "wheelhouse")
+
+
+_BOX_PLATFORM: list[Any] = []  # the boxes' platform, probed once per process (they share one python3)
+
+
+def _wheelhouse(box: Box, cache: Path) -> Any:
+    """The wheelhouse `up` will use for `box`, built once per session (the first caller builds it,
+    any other worker waits for it instead of downloading the same wheels at the same time)."""
+    from controller import wheelhouse
+
+    if not _BOX_PLATFORM:
+        r = box.run_as_box(["python3", "-c", wheelhouse.PROBE_SCRIPT])
+        assert r.returncode == 0, r.stderr
+        _BOX_PLATFORM.append(wheelhouse.BoxPlatform.from_probe(json.loads(r.stdout)))
+    with exclusive(cache.parent / "wheelhouse.lock"):
+        return wheelhouse.build(_BOX_PLATFORM[0], cache)
+
+
+class VenvTemplate:
+    """The sidecar's venv as `up` installed it on a box, kept once per session and wheelhouse
+    digest (`<dir>/<digest>`): the first remote `up` that installs one for real leaves a copy here
+    (`offer`), and a box about to be seeded gets a copy of it (`seed`). All xdist workers share it;
+    the lock serializes the copies, and a seeded `up` that finds no template yet holds the lock
+    through its own (real) install, so the others wait for its venv instead of installing their own."""
+
+    def __init__(self, d: Path) -> None:
+        self.dir = d
+        self.lock = d / ".lock"
+
+    def seed(self, box: Box, digest: str) -> bool:
+        """Give `box` the venv `up` would install (~/.boxwarden/venvs/<digest>, the box user's, and
+        complete); False when there is no template yet (the caller then installs for real)."""
+        src = self.dir / digest
+        if not (src / ".complete").exists():
+            return False
+        state = box.home / ".boxwarden"
+        venvs = state / "venvs"
+        for d in (state, venvs):  # as the real install leaves them: the box user's, 0755
+            d.mkdir(mode=0o755, exist_ok=True)
+            os.chown(d, box.uid, box.gid)
+        dest = venvs / digest
+        subprocess.run(["cp", "-a", str(src), str(dest)], check=True, capture_output=True)
+        # -h: the symlinks themselves (bin/python3 -> /usr/bin/python3), never what they point at.
+        subprocess.run(["chown", "-hR", f"{box.uid}:{box.gid}", str(dest)], check=True, capture_output=True)
+        r = box.run_as_box([f"{dest}/bin/python", "-c", "import grpc, sidecar"])
+        assert r.returncode == 0, f"the seeded venv does not run for {box.user}: {r.stderr}"
+        return True
+
+    def offer(self, box: Box) -> None:
+        """Keep the venv a real install just left on `box`, if there is no template for it yet."""
+        venvs = box.home / ".boxwarden" / "venvs"
+        names = os.listdir(venvs) if venvs.is_dir() else []
+        found = [venvs / n for n in names if re.fullmatch(r"[0-9a-f]{64}", n)]
+        if len(found) != 1 or not (found[0] / ".complete").exists() or (self.dir / found[0].name).exists():
+            return
+        tmp = self.dir / f".new-{found[0].name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        subprocess.run(["cp", "-a", str(found[0]), str(tmp)], check=True, capture_output=True)
+        subprocess.run(["chown", "-hR", "0:0", str(tmp)], check=True, capture_output=True)
+        os.rename(tmp, self.dir / found[0].name)
+
+
+@pytest.fixture(scope="session")
+def venv_template(tmp_path_factory: pytest.TempPathFactory) -> VenvTemplate:
+    return VenvTemplate(session_dir(tmp_path_factory, "box-venv"))
 
 
 class Remote:
-    def __init__(self, bw: Bw, boxes: SshBoxFactory, tmp_path: Path) -> None:
+    def __init__(
+        self, bw: Bw, boxes: SshBoxFactory, tmp_path: Path, wheel_cache: Path, template: VenvTemplate
+    ) -> None:
         self.bw, self.boxes, self.tmp = bw, boxes, tmp_path
+        self.wheel_cache, self.template = wheel_cache, template
         self.profile = remote_profile(tmp_path)
         bw.env["BOXWARDEN_SSH_CONFIG"] = str(boxes.config)
         bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
 
-    def up(self, box: Box, *extra: str, code: int = 0) -> dict[str, Any]:
+    def up(self, box: Box, *extra: str, code: int = 0, seeded: bool = False) -> dict[str, Any]:
+        """`up --host` of `box`. `seeded`: the box gets the sidecar's venv from the session's
+        template first (for tests whose subject is not the bootstrap); without a template yet,
+        this `up` installs it for real and its venv becomes the template."""
+        if code != 0:
+            return self._up(box, extra, code)
+        digest = _wheelhouse(box, self.wheel_cache).digest
+        if seeded:
+            with exclusive(self.template.lock):
+                if not self.template.seed(box, digest):
+                    out = self._up(box, extra, code)  # the others wait for this venv
+                    self.template.offer(box)
+                    return out
+            return self._up(box, extra, code)
+        out = self._up(box, extra, code)
+        with exclusive(self.template.lock, wait=False) as mine:
+            if mine:
+                self.template.offer(box)
+        return out
+
+    def _up(self, box: Box, extra: tuple[str, ...], code: int) -> dict[str, Any]:
         args = ("up", box.alias, "--profile-file", str(self.profile), "--host", box.alias)
         r = self.bw(
             *args, "--instance-id", f"i-{box.alias}", "--watch", "ckpt", *extra, "--json", timeout=300
@@ -63,9 +158,11 @@ class Remote:
 
 
 @pytest.fixture
-def remote(bw: Bw, ssh_box: SshBoxFactory, tmp_path: Path, wheel_cache: Path) -> Iterator[Remote]:
+def remote(
+    bw: Bw, ssh_box: SshBoxFactory, tmp_path: Path, wheel_cache: Path, venv_template: VenvTemplate
+) -> Iterator[Remote]:
     bw.env["BOXWARDEN_WHEELHOUSE"] = str(wheel_cache)
-    r = Remote(bw, ssh_box, tmp_path)
+    r = Remote(bw, ssh_box, tmp_path, wheel_cache, venv_template)
     try:
         yield r
     finally:
@@ -147,7 +244,7 @@ def test_up_from_nothing_then_again_then_after_a_kill(remote: Remote) -> None:
 def test_the_whole_lifecycle_over_ssh(remote: Remote) -> None:
     box = remote.boxes("r2")
     remote.provider("create", "i-r2", "--linger", "2")
-    remote.up(box)
+    remote.up(box, seeded=True)
     bw = remote.bw
     job = "mkdir -p ckpt && printf 'weights' > ckpt/a.bin && echo saved on $(hostname)"
     r = bw("run", box.alias, "--json", "--", "sh", "-c", job)
@@ -296,7 +393,7 @@ def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(
     bw.env["BOXWARDEN_SSH_MODE"] = mode
     box = remote.boxes("c1")
     remote.provider("create", "i-c1", "--linger", "1")
-    remote.up(box)
+    remote.up(box, seeded=True)
     size = mib << 20
     r = box.run_as_box(
         ["sh", "-c", f"mkdir -p ckpt && head -c {size} /dev/urandom > ckpt/big.bin"], timeout=120
@@ -374,7 +471,7 @@ def test_a_cut_link_loses_no_event_and_no_byte_and_the_gate_waits_for_it(
 
 def test_up_restarts_a_sidecar_of_another_version(remote: Remote) -> None:
     box = remote.boxes("v1")
-    first = remote.up(box)
+    first = remote.up(box, seeded=True)
     os.kill(first["pid"], 9)
     wait_until(lambda: not sidecars(box), what="the sidecar gone")
     (venv,) = (box.home / ".boxwarden" / "venvs").iterdir()
@@ -397,8 +494,8 @@ def test_up_restarts_a_sidecar_of_another_version(remote: Remote) -> None:
 
 def test_one_status_shows_two_remote_boxes_and_a_local_one(remote: Remote) -> None:
     a, b = remote.boxes("m1"), remote.boxes("m2")
-    remote.up(a)
-    remote.up(b)
+    remote.up(a, seeded=True)
+    remote.up(b, seeded=True)
     remote.bw.up("here")
     rows = {r["box"]: r for r in remote.bw.json("status")["boxes"]}
     assert set(rows) == {"m1", "m2", "here"}

@@ -20,6 +20,8 @@ from typing import IO, Any
 import pytest
 import torch
 
+from tests.conftest import built_once
+
 SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "train_tiny.py"
 RUN_TIMEOUT_S = 120
 
@@ -68,10 +70,14 @@ def assert_same_weights(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One uninterrupted 200-step run, shared read-only by the tests below."""
-    out = tmp_path_factory.mktemp("full") / "cell-a"
-    train_ok(out, "--steps", "200", "--save-every", "50")
-    return out
+    """One uninterrupted 200-step run, shared read-only by the tests below (and made once for the
+    session: xdist workers that run them share it)."""
+    run = built_once(
+        tmp_path_factory,
+        "train-tiny-full",
+        lambda d: train_ok(d / "cell-a", "--steps", "200", "--save-every", "50"),
+    )
+    return run / "cell-a"
 
 
 def test_fresh_run_publishes_loadable_checkpoints(full_run: Path) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import REPO, Bw, save_ckpt
+from tests.conftest import REPO, Bw, save_weights
 
 FAKE = REPO / "tests" / "fake_provider.py"
 
@@ -83,7 +83,7 @@ def audit(bw: Bw) -> list[dict[str, Any]]:
 
 def ready_box(bw: Bw, tmp_path: Path, profile: Path) -> dict[str, Path]:
     p = bw.up("fk1", "--profile-file", str(profile), "--instance-id", "i-123")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=1)
     bw.wait_durable("fk1", 1)
     return p
 

@@ -1,6 +1,7 @@
 """pull against a hostile destination: the box's own directories, planted symlinks, long names,
 files and directories in the way, pseudo-filesystems, a second pull at once, a corrupt partial
-copy. The real CLI against real sidecars; pure path rules tested directly."""
+copy. The real CLI against real sidecars; pure path rules tested directly. The checkpoints are
+real safetensors files: the verify after a pull probes them without importing torch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.digest import path_key
 from controller.overlap import destination_problem, overlap_problem
-from tests.conftest import Bw, save_ckpt, wait_until
+from tests.conftest import Bw, save_weights, wait_until
 
 
 def files_under(root: Path) -> dict[str, bytes]:
@@ -23,7 +24,7 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 def one_claim(bw: Bw, *extra: str) -> dict[str, Path]:
     p = bw.up("b1", *extra)
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=3, size=100_000)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=3, size=100_000)
     bw.wait_durable("b1", 1)
     return p
 
@@ -96,14 +97,14 @@ def test_impossible_destination_is_a_usage_error(bw: Bw, to: str) -> None:
 
 def test_directory_where_the_box_has_a_file_refuses_before_the_first_byte(bw: Bw) -> None:
     p = bw.up("b1")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1, size=1000)
-    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=2, size=1000)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=1, size=1000)
+    save_weights(p["watch"] / "cell-b" / "best.safetensors", seed=2, size=1000)
     bw.wait_durable("b1", 2)
     pulled = bw.cwd / "pulled"
-    (pulled / "cell-b" / "best.pt").mkdir(parents=True)
+    (pulled / "cell-b" / "best.safetensors").mkdir(parents=True)
     r = bw("pull", "b1", "--to", str(pulled))
     assert r.returncode == 1, r.stderr
-    assert str(pulled / "cell-b" / "best.pt") in r.stderr and "move it aside" in r.stderr
+    assert str(pulled / "cell-b" / "best.safetensors") in r.stderr and "move it aside" in r.stderr
     assert not (pulled / "cell-a").exists(), "nothing is fetched before every path was checked"
     assert not (pulled / ".bw-parts").exists()
 
@@ -125,10 +126,12 @@ def test_planted_part_symlink_is_never_written_through(bw: Bw, tmp_path: Path) -
     victim.write_bytes(b"precious")
     pulled = bw.cwd / "pulled"
     (pulled / "cell-a").mkdir(parents=True)
-    (pulled / "cell-a" / "best.pt.bw-part").symlink_to(victim)  # where the old pull wrote its part
+    (pulled / "cell-a" / "best.safetensors.bw-part").symlink_to(victim)  # where the old pull wrote its part
     bw.ok("pull", "b1", "--to", str(pulled))
     assert victim.read_bytes() == b"precious"
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == (
+        p["watch"] / "cell-a" / "best.safetensors"
+    ).read_bytes()
     assert not (pulled / ".bw-parts").exists()
 
 
@@ -147,8 +150,8 @@ def test_parts_dir_that_is_a_symlink_is_refused(bw: Bw, tmp_path: Path) -> None:
 
 def test_a_name_of_250_bytes_pulls_and_verifies(bw: Bw) -> None:
     p = bw.up("b1")
-    name = "n" * 247 + ".pt"
-    save_ckpt(p["watch"] / "cell-a" / name, seed=4, size=1000)
+    name = "n" * 238 + ".safetensors"
+    save_weights(p["watch"] / "cell-a" / name, seed=4, size=1000)
     bw.wait_durable("b1", 1)
     pulled = bw.cwd / "pulled"
     rep = bw.json("pull", "b1", "--to", str(pulled))
@@ -162,17 +165,17 @@ def test_a_name_of_250_bytes_pulls_and_verifies(bw: Bw) -> None:
 
 def test_resume_from_the_part_file_in_bw_parts(bw: Bw) -> None:
     p = bw.up("b1")
-    src = p["watch"] / "cell-a" / "big.pt"
-    save_ckpt(src, seed=5, size=1_000_000)
+    src = p["watch"] / "cell-a" / "big.safetensors"
+    save_weights(src, seed=5, size=1_000_000)
     bw.wait_durable("b1", 1)
     pulled = bw.cwd / "pulled"
     parts = pulled / ".bw-parts"
     parts.mkdir(parents=True, mode=0o700)
-    (parts / f"{path_key('cell-a/big.pt')}.part").write_bytes(src.read_bytes()[: 1 << 20])
+    (parts / f"{path_key('cell-a/big.safetensors')}.part").write_bytes(src.read_bytes()[: 1 << 20])
     rep = bw.json("pull", "b1", "--to", str(pulled))
-    assert rep["resumed"] == {"cell-a/big.pt": 1 << 20}
+    assert rep["resumed"] == {"cell-a/big.safetensors": 1 << 20}
     assert rep["bytes_fetched"] == src.stat().st_size - (1 << 20)
-    assert (pulled / "cell-a" / "big.pt").read_bytes() == src.read_bytes()
+    assert (pulled / "cell-a" / "big.safetensors").read_bytes() == src.read_bytes()
     assert not parts.exists()
 
 
@@ -181,10 +184,12 @@ def test_corrupt_resumed_part_is_fetched_again_from_zero(bw: Bw) -> None:
     pulled = bw.cwd / "pulled"
     parts = pulled / ".bw-parts"
     parts.mkdir(parents=True, mode=0o700)
-    (parts / f"{path_key('cell-a/best.pt')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
+    (parts / f"{path_key('cell-a/best.safetensors')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
     rep = bw.json("pull", "b1", "--to", str(pulled))
-    assert rep["restarted"] == ["cell-a/best.pt"] and rep["fetched"] == ["cell-a/best.pt"]
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert rep["restarted"] == ["cell-a/best.safetensors"] and rep["fetched"] == ["cell-a/best.safetensors"]
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == (
+        p["watch"] / "cell-a" / "best.safetensors"
+    ).read_bytes()
     assert not parts.exists()
     bw.ok("verify", str(pulled))
 
@@ -213,7 +218,7 @@ def test_a_second_pull_into_the_same_dir_is_refused(bw: Bw) -> None:
 
 def test_two_watched_dirs_pull_and_verify_by_the_cell_after_the_prefix(bw: Bw) -> None:
     p = bw.up("b1", "--watch", "logs", "--roster", "cell-a")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=7, size=1000)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=7, size=1000)
     (bw.cwd / "logs" / "cell-a").mkdir(parents=True)
     (bw.cwd / "logs" / "cell-a" / "x.log").write_text("done\n")
     bw.wait_durable("b1", 2)
@@ -221,7 +226,10 @@ def test_two_watched_dirs_pull_and_verify_by_the_cell_after_the_prefix(bw: Bw) -
     bw.ok("pull", "b1", "--to", str(pulled))
     manifest = json.loads((pulled / "MANIFEST.json").read_text())
     assert manifest["watch_dirs"] == ["ckpt", "logs"]
-    assert sorted(f["path"] for f in manifest["files"]) == ["ckpt/cell-a/best.pt", "logs/cell-a/x.log"]
+    assert sorted(f["path"] for f in manifest["files"]) == [
+        "ckpt/cell-a/best.safetensors",
+        "logs/cell-a/x.log",
+    ]
     doc = bw.json("verify", str(pulled))
     assert doc["ok"] is True, doc["reasons"]
 
@@ -235,22 +243,26 @@ def test_pull_refuses_a_tree_pulled_from_another_box(bw: Bw) -> None:
     bw.ok("pull", "b1", "--to", str(pulled))
     bw.ok("verify", str(pulled))
     pb2 = bw.up("b2", watch="ckpt2")
-    save_ckpt(pb2["watch"] / "cell-a" / "best.pt", seed=99, size=100_000)  # same path, other bytes
-    save_ckpt(pb2["watch"] / "cell-c" / "new.pt", seed=98, size=1000)  # a path free in the tree
+    save_weights(
+        pb2["watch"] / "cell-a" / "best.safetensors", seed=99, size=100_000
+    )  # same path, other bytes
+    save_weights(pb2["watch"] / "cell-c" / "new.safetensors", seed=98, size=1000)  # a path free in the tree
     bw.wait_durable("b2", 2)
     before = files_under(pulled)
     r = bw("pull", "b2", "--to", str(pulled))
     assert r.returncode == 2, r.stderr
     assert "'b1'" in r.stderr and "empty or new directory" in r.stderr
     assert files_under(pulled) == before, "nothing is written into another box's tree"
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == (pa["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == (
+        pa["watch"] / "cell-a" / "best.safetensors"
+    ).read_bytes()
     bw.ok("verify", str(pulled))
 
 
 def test_pull_never_replaces_a_file_no_pull_of_this_box_wrote(bw: Bw) -> None:
     p = bw.up("b1")
     for i in range(7):
-        save_ckpt(p["watch"] / f"cell-{i}" / "a.bin", seed=i, size=1000)
+        save_weights(p["watch"] / f"cell-{i}" / "a.bin", seed=i, size=1000)
     bw.wait_durable("b1", 7)
     pulled = bw.cwd / "pulled"
     for i in range(7):
@@ -267,14 +279,14 @@ def test_a_user_file_beside_this_box_s_tree_is_not_replaced(bw: Bw) -> None:
     p = one_claim(bw)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "b1", "--to", str(pulled))
-    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=8, size=1000)
+    save_weights(p["watch"] / "cell-b" / "best.safetensors", seed=8, size=1000)
     bw.wait_durable("b1", 2)
     (pulled / "cell-b").mkdir()
-    (pulled / "cell-b" / "best.pt").write_text("y")  # not recorded in this box's manifest here
+    (pulled / "cell-b" / "best.safetensors").write_text("y")  # not recorded in this box's manifest here
     r = bw("pull", "b1", "--to", str(pulled))
     assert r.returncode == 2, r.stderr
-    assert "cell-b/best.pt" in r.stderr and "cell-a/best.pt" not in r.stderr
-    assert (pulled / "cell-b" / "best.pt").read_text() == "y"
+    assert "cell-b/best.safetensors" in r.stderr and "cell-a/best.safetensors" not in r.stderr
+    assert (pulled / "cell-b" / "best.safetensors").read_text() == "y"
 
 
 def _wait_new_claim(bw: Bw, path: str, old: str) -> None:
@@ -292,33 +304,35 @@ def _blake3_of(bw: Bw, path: str) -> str:
 
 def test_a_file_placed_by_an_interrupted_pull_of_this_box_is_replaced(bw: Bw, tmp_path: Path) -> None:
     p = bw.up("b1")
-    a, b = p["watch"] / "cell-a" / "best.pt", p["watch"] / "cell-b" / "best.pt"
-    save_ckpt(a, seed=1, size=1000)
-    save_ckpt(b, seed=2, size=1000)
+    a, b = p["watch"] / "cell-a" / "best.safetensors", p["watch"] / "cell-b" / "best.safetensors"
+    save_weights(a, seed=1, size=1000)
+    save_weights(b, seed=2, size=1000)
     bw.wait_durable("b1", 2)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "b1", "--to", str(pulled))
-    old_a, old_b = _blake3_of(bw, "cell-a/best.pt"), _blake3_of(bw, "cell-b/best.pt")
-    save_ckpt(a, seed=11, size=2000)
-    save_ckpt(b, seed=12, size=2000)
-    _wait_new_claim(bw, "cell-a/best.pt", old_a)
-    _wait_new_claim(bw, "cell-b/best.pt", old_b)
+    old_a, old_b = _blake3_of(bw, "cell-a/best.safetensors"), _blake3_of(bw, "cell-b/best.safetensors")
+    save_weights(a, seed=11, size=2000)
+    save_weights(b, seed=12, size=2000)
+    _wait_new_claim(bw, "cell-a/best.safetensors", old_a)
+    _wait_new_claim(bw, "cell-b/best.safetensors", old_b)
     # A part file for cell-b that is not a plain file of ours stops the pull after cell-a is placed.
     parts = pulled / ".bw-parts"
     parts.mkdir(mode=0o700)
     (tmp_path / "elsewhere").write_bytes(b"x")
-    blocker = parts / f"{path_key('cell-b/best.pt')}.part"
+    blocker = parts / f"{path_key('cell-b/best.safetensors')}.part"
     os.link(tmp_path / "elsewhere", blocker)
     r = bw("pull", "b1", "--to", str(pulled))
     assert r.returncode == 1 and "not a plain file of ours" in r.stderr, r.stderr
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == a.read_bytes(), "placed before the failure"
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == a.read_bytes(), (
+        "placed before the failure"
+    )
     blocker.unlink()
-    mid_a = _blake3_of(bw, "cell-a/best.pt")
-    save_ckpt(a, seed=21, size=3000)  # the file the interrupted pull placed is now an older claim
-    _wait_new_claim(bw, "cell-a/best.pt", mid_a)
+    mid_a = _blake3_of(bw, "cell-a/best.safetensors")
+    save_weights(a, seed=21, size=3000)  # the file the interrupted pull placed is now an older claim
+    _wait_new_claim(bw, "cell-a/best.safetensors", mid_a)
     rep = bw.json("pull", "b1", "--to", str(pulled))
-    assert sorted(rep["fetched"]) == ["cell-a/best.pt", "cell-b/best.pt"]
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == a.read_bytes()
+    assert sorted(rep["fetched"]) == ["cell-a/best.safetensors", "cell-b/best.safetensors"]
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == a.read_bytes()
     assert not parts.exists()
     bw.ok("verify", str(pulled))
 
@@ -327,12 +341,14 @@ def test_a_changed_claim_replaces_this_box_s_earlier_copy(bw: Bw) -> None:
     p = one_claim(bw)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "b1", "--to", str(pulled))
-    old = _blake3_of(bw, "cell-a/best.pt")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=4, size=100_000)
-    _wait_new_claim(bw, "cell-a/best.pt", old)
+    old = _blake3_of(bw, "cell-a/best.safetensors")
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=4, size=100_000)
+    _wait_new_claim(bw, "cell-a/best.safetensors", old)
     rep = bw.json("pull", "b1", "--to", str(pulled))
-    assert rep["fetched"] == ["cell-a/best.pt"]
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == (p["watch"] / "cell-a" / "best.pt").read_bytes()
+    assert rep["fetched"] == ["cell-a/best.safetensors"]
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == (
+        p["watch"] / "cell-a" / "best.safetensors"
+    ).read_bytes()
     bw.ok("verify", str(pulled))
 
 
@@ -340,28 +356,28 @@ def test_a_local_edit_of_a_pulled_file_is_not_replaced(bw: Bw) -> None:
     p = one_claim(bw)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "b1", "--to", str(pulled))
-    old = _blake3_of(bw, "cell-a/best.pt")
-    (pulled / "cell-a" / "best.pt").write_bytes(b"edited here")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=4, size=100_000)
-    _wait_new_claim(bw, "cell-a/best.pt", old)
+    old = _blake3_of(bw, "cell-a/best.safetensors")
+    (pulled / "cell-a" / "best.safetensors").write_bytes(b"edited here")
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=4, size=100_000)
+    _wait_new_claim(bw, "cell-a/best.safetensors", old)
     r = bw("pull", "b1", "--to", str(pulled))
-    assert r.returncode == 2 and "cell-a/best.pt" in r.stderr, r.stderr
-    assert (pulled / "cell-a" / "best.pt").read_bytes() == b"edited here"
+    assert r.returncode == 2 and "cell-a/best.safetensors" in r.stderr, r.stderr
+    assert (pulled / "cell-a" / "best.safetensors").read_bytes() == b"edited here"
 
 
 def test_files_the_box_no_longer_claims_are_kept_and_not_called_stale(bw: Bw) -> None:
     p = bw.up("b1")
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1, size=1000)
-    save_ckpt(p["watch"] / "cell-b" / "best.pt", seed=2, size=1000)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=1, size=1000)
+    save_weights(p["watch"] / "cell-b" / "best.safetensors", seed=2, size=1000)
     bw.wait_durable("b1", 2)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "b1", "--to", str(pulled))
-    (p["watch"] / "cell-b" / "best.pt").unlink()
+    (p["watch"] / "cell-b" / "best.safetensors").unlink()
     bw.wait_durable("b1", 1)
     r = bw.ok("pull", "b1", "--to", str(pulled))
-    assert "cell-b/best.pt" in r.stderr and "stale" not in r.stderr and "move them" not in r.stderr
+    assert "cell-b/best.safetensors" in r.stderr and "stale" not in r.stderr and "move them" not in r.stderr
     assert "released" in r.stderr and "durable copies remain" in r.stderr and "kept" in r.stderr
-    assert (pulled / "cell-b" / "best.pt").exists()
+    assert (pulled / "cell-b" / "best.safetensors").exists()
     bw.ok("verify", str(pulled))  # listed as retired, not EXTRA
 
 
@@ -382,11 +398,11 @@ def test_leftover_parts_no_claim_needs_are_removed(bw: Bw) -> None:
 
 def test_a_restarted_transfer_counts_the_final_bytes_once(bw: Bw) -> None:
     p = one_claim(bw)
-    size = (p["watch"] / "cell-a" / "best.pt").stat().st_size
+    size = (p["watch"] / "cell-a" / "best.safetensors").stat().st_size
     pulled = bw.cwd / "pulled"
     parts = pulled / ".bw-parts"
     parts.mkdir(parents=True, mode=0o700)
-    (parts / f"{path_key('cell-a/best.pt')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
+    (parts / f"{path_key('cell-a/best.safetensors')}.part").write_bytes(b"\0" * 1000)  # wrong bytes
     rep = bw.json("pull", "b1", "--to", str(pulled))
-    assert rep["restarted"] == ["cell-a/best.pt"]
+    assert rep["restarted"] == ["cell-a/best.safetensors"]
     assert rep["bytes_fetched"] == size and rep["bytes_discarded"] == size - 1000

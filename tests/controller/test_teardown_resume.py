@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Bw, pid_alive, save_ckpt, wait_until
+from tests.conftest import Bw, pid_alive, save_weights, wait_until
 
 NAME = "fk1"
 INSTANCE = "i-1"
@@ -108,7 +108,7 @@ def box_row(bw: Bw) -> dict[str, Any]:
 
 def up_pulled_verified(bw: Bw, tmp_path: Path) -> dict[str, Path]:
     p = bw.up(NAME, "--profile-file", str(profile(tmp_path)), "--instance-id", INSTANCE)
-    save_ckpt(p["watch"] / "cell-a" / "best.pt", seed=1)
+    save_weights(p["watch"] / "cell-a" / "best.safetensors", seed=1)
     bw.wait_durable(NAME, 1)
     pulled = bw.cwd / "pulled"
     bw.ok("pull", NAME, "--to", str(pulled))
@@ -130,8 +130,8 @@ def unproven(bw: Bw, tmp_path: Path) -> dict[str, Path]:
 def test_a_retry_of_an_unproven_stop_polls_and_refuses_instead_of_resending(bw: Bw, tmp_path: Path) -> None:
     p = unproven(bw, tmp_path)
     # The box is still alive and a trainer writes more; a second stop would now destroy it for good.
-    new = p["watch"] / "cell-a" / "late.pt"
-    save_ckpt(new, seed=2)
+    new = p["watch"] / "cell-a" / "late.safetensors"
+    save_weights(new, seed=2)
     (provider_dir(tmp_path) / "complete").touch()
     r = bw("down", NAME, "--confirm", NAME)
     assert r.returncode == 3, r.stderr
@@ -148,7 +148,7 @@ def test_a_retry_of_an_unproven_stop_polls_and_refuses_instead_of_resending(bw: 
     bw.ok("up", NAME, "--profile-file", str(profile(tmp_path)), *again)  # a new run of the box
     row = box_row(bw)
     assert row["status"] == "up" and "meter stop sent" in row["teardown"]["summary"]
-    bw.wait_durable(NAME, 1)  # the new run claims what is on the box now: late.pt
+    bw.wait_durable(NAME, 1)  # the new run claims what is on the box now: late.safetensors
     refused = bw.json("down", NAME, "--confirm", NAME, code=3)
     assert refused["allowed"] is False  # the gate runs: the verified tree is not this run's
     assert stop_calls(tmp_path) == 1
@@ -156,7 +156,7 @@ def test_a_retry_of_an_unproven_stop_polls_and_refuses_instead_of_resending(bw: 
     bw.ok("verify", str(bw.cwd / "pulled2"))
     doc = bw.json("down", NAME, "--confirm", NAME)
     assert doc["teardown"]["gone"] is True
-    assert (bw.cwd / "pulled2" / "cell-a" / "late.pt").read_bytes()
+    assert (bw.cwd / "pulled2" / "cell-a" / "late.safetensors").read_bytes()
     assert box_row(bw)["status"] == "down" and "teardown" not in box_row(bw)
 
 
@@ -198,7 +198,7 @@ def test_down_killed_during_the_meter_stop_is_shown_and_continued_by_polling(bw:
         if stopper:
             (prov / "hang").unlink()
             wait_until(lambda: not pid_alive(stopper), timeout=30, what="the stop command to end")
-    assert not (p["watch"] / "cell-a" / "best.pt").exists()  # released before the stop was sent
+    assert not (p["watch"] / "cell-a" / "best.safetensors").exists()  # released before the stop was sent
     row = box_row(bw)
     assert row["status"] == "tearing-down"
     assert "meter stop sent" in row["sidecar"] and "not proven" in row["sidecar"]

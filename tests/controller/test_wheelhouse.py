@@ -47,6 +47,7 @@ from controller.wheelhouse import (
     resolve,
     sidecar_wheel,
 )
+from tests.conftest import exclusive, session_dir
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -230,16 +231,17 @@ def local() -> BoxPlatform:
 
 @pytest.fixture(scope="module")
 def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Under xdist, one cache for all workers: concurrent builders must each get a complete one."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "wheelhouse-cache"
-    root.mkdir(exist_ok=True)
-    return root
+    """The session's one wheelhouse cache, shared by every xdist worker and by the remote tests
+    (tests/test_remote_e2e.py), whose boxes run this machine's python3."""
+    return session_dir(tmp_path_factory, "wheelhouse")
 
 
 @pytest.fixture(scope="module")
 def house(local: BoxPlatform, cache_root: Path) -> Wheelhouse:
-    return build(local, cache_root)
+    # Built by one worker while the others wait (build() would be right without the lock too: each
+    # concurrent builder gets a complete one; the lock only saves downloading it twice).
+    with exclusive(cache_root.parent / "wheelhouse.lock"):
+        return build(local, cache_root)
 
 
 @pytest.fixture
