@@ -211,11 +211,8 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         logger.warning(
             "%d claims changed or went while the sidecar was not running; their copies are kept", ended
         )
-    disk_paths = [(d, "watch") for d in s.watch_dirs] + [
-        (store.path_for_usage(), "durable"),
-        (s.state_dir, "state"),
-    ]
-    health = HealthHub(paths=disk_paths, ledger=ledger, jobs=jobs, notify=journal.ring)
+    disk_paths = [(d, "watch") for d in s.watch_dirs] + [(s.state_dir, "state")]
+    health = HealthHub(paths=disk_paths, store=store, ledger=ledger, jobs=jobs, notify=journal.ring)
 
     server = grpc.aio.server(
         options=[

@@ -6,10 +6,11 @@ this module is the only place that reads it. Nothing here reads the environment.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
@@ -17,6 +18,7 @@ from google.protobuf import json_format
 from sidecar.compat import SLOTS
 from sidecar.errors import ConfigError
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
+from sidecar.storage import local_dir
 
 BOX_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -41,6 +43,7 @@ class Settings:
     run_id: str = DEFAULT_RUN_ID
     workdir: Path | None = None
     rescan_s: float = 10.0
+    durable_credentials: Path | None = None
 
     @property
     def ledger_path(self) -> Path:
@@ -57,11 +60,6 @@ class Settings:
     @property
     def job_cwd(self) -> Path:
         return self.workdir or self.state_dir
-
-
-def _file_url_path(url: str) -> Path | None:
-    parts = urlsplit(url)
-    return Path(unquote(parts.path)) if parts.scheme == "file" and parts.path.startswith("/") else None
 
 
 def load(path: Path) -> Settings:
@@ -110,7 +108,7 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         )
     if not msg.durable_url:
         raise fail("durable_url", "a durable storage URL is required (e.g. file:///mnt/durable)")
-    durable_root = _file_url_path(msg.durable_url)
+    durable_root = local_dir(msg.durable_url)
     for d in watch:
         w = d.resolve()
         # (field, path, also refuse it being an ancestor of the watched dir?)
@@ -130,6 +128,11 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
                 )
     if msg.workdir and not Path(msg.workdir).is_absolute():
         raise fail("workdir", f"{msg.workdir!r} is not absolute")
+    credentials = Path(msg.durable_credentials_file) if msg.durable_credentials_file else None
+    if credentials is not None:
+        why = credentials_problem(credentials)
+        if why:
+            raise fail("durable_credentials_file", why)
     return Settings(
         box_name=msg.box_name,
         profile=msg.profile or "local",
@@ -145,4 +148,27 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         run_id=run_id,
         workdir=Path(msg.workdir) if msg.workdir else None,
         rescan_s=(msg.rescan_ms or 10000) / 1000,
+        durable_credentials=credentials,
     )
+
+
+def credentials_problem(path: Path) -> str:
+    """Why `path` must not be read as the durable store's credentials ("" when it may): it must be
+    an absolute path to a regular file (not a symlink) of this process's user that no one else can
+    read or write. The file's content is never looked at here, nor ever shown."""
+    if not path.is_absolute():
+        return f"{str(path)!r} is not absolute"
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        return f"cannot look at {path}: {e.strerror}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a symlink or another kind of file is never followed)"
+    if st.st_uid != os.geteuid():
+        return f"{path} belongs to uid {st.st_uid}, not to the sidecar's user (uid {os.geteuid()})"
+    if st.st_mode & 0o077:
+        return (
+            f"{path} can be read or written by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"run `chmod 600 {path}`"
+        )
+    return ""

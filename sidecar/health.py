@@ -15,9 +15,11 @@ from pathlib import Path
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from sidecar.bell import Bell
+from sidecar.errors import StorageError
 from sidecar.jobs import JobRecord, JobSupervisor
 from sidecar.ledger import Ledger
-from sidecar.probes import SelfSampler, disk_usage, low_space
+from sidecar.probes import DiskSample, SelfSampler, disk_usage, low_space
+from sidecar.storage import DurableStore
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,13 @@ class HealthHub:
         self,
         *,
         paths: list[tuple[Path, str]],
+        store: DurableStore,
         ledger: Ledger,
         jobs: JobSupervisor,
         notify: Callable[[], None],
     ) -> None:
         self._paths = paths
+        self._store = store
         self._ledger = ledger
         self._jobs = jobs
         self._notify = notify
@@ -68,10 +72,7 @@ class HealthHub:
 
     def _sample(self) -> pb.HealthSnapshot:
         snap = pb.HealthSnapshot(at_unix_ns=time.time_ns(), seq=self._ledger.last_seq())
-        for path, role in self._paths:
-            d = disk_usage(path, role)
-            if d is None:
-                continue
+        for d in self._disks():
             snap.disks.append(
                 pb.DiskUsage(
                     path=str(d.path),
@@ -82,7 +83,7 @@ class HealthHub:
                     free_inodes=d.free_inodes,
                 )
             )
-            self._track_low(str(path), set(low_space(d)))
+            self._track_low(str(d.path), set(low_space(d)))
         snap.jobs.extend(job_to_pb(j) for j in self._jobs.jobs())
         # Counters the ledger keeps as it changes, and one index lookup: no scan of the claims.
         n = self._ledger.counts
@@ -101,6 +102,16 @@ class HealthHub:
             pb.SelfStats(cpu_percent=s.cpu_percent, rss_bytes=s.rss_bytes, uptime_s=s.uptime_s)
         )
         return snap
+
+    def _disks(self) -> list[DiskSample]:
+        disks = [d for path, role in self._paths if (d := disk_usage(path, role)) is not None]
+        try:
+            durable = self._store.space()
+        except StorageError as e:
+            # A stale or unreachable store must not take the health stream down with it.
+            logger.warning("the durable store's free space is unknown: %s", e)
+            durable = None
+        return disks if durable is None else [*disks, durable]
 
     def _track_low(self, path: str, kinds: set[str]) -> None:
         for kind in kinds:

@@ -35,6 +35,17 @@ class DiskSample:
     total_inodes: int
     free_inodes: int  # f_favail, likewise
 
+    @classmethod
+    def of(cls, path: Path, role: str, st: os.statvfs_result) -> DiskSample:
+        return cls(
+            path=path,
+            role=role,
+            total_bytes=st.f_blocks * st.f_frsize,
+            free_bytes=st.f_bavail * st.f_frsize,
+            total_inodes=st.f_files,
+            free_inodes=st.f_favail,
+        )
+
 
 @dataclass(frozen=True, **SLOTS)
 class SelfSample:
@@ -53,14 +64,7 @@ def disk_usage(path: Path, role: str) -> DiskSample | None:
         # A stale or unreachable mount must not take the health stream down with it.
         logger.warning("statvfs %s failed: %s", path, e)
         return None
-    return DiskSample(
-        path=path,
-        role=role,
-        total_bytes=st.f_blocks * st.f_frsize,
-        free_bytes=st.f_bavail * st.f_frsize,
-        total_inodes=st.f_files,
-        free_inodes=st.f_favail,
-    )
+    return DiskSample.of(path, role, st)
 
 
 def low_space(sample: DiskSample) -> list[str]:

@@ -348,10 +348,12 @@ class Sealer:
         Staging a copy that cannot fit would fill the durable filesystem — often the trainer's own
         disk — on every retry, and make the trainer's next save fail."""
         try:
-            st = os.statvfs(self.store.path_for_usage())
-        except OSError as e:
-            return f"cannot read the durable store's free space: {e.strerror}"
-        free, total = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+            space = self.store.space()
+        except StorageError as e:
+            return f"cannot read the durable store's free space: {e}"
+        if space is None:  # a store without such a notion (an object store) says so when it is full
+            return ""
+        free, total = space.free_bytes, space.total_bytes
         reserve = min(1 << 30, total // 50)
         if free >= size + reserve:
             return ""

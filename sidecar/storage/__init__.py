@@ -2,10 +2,13 @@
 
 This package owns the `DurableStore` contract, the `StagedCopy` it hands back, the rule for the
 relative paths (`rel`) that name artifacts inside a store, the source side of every backend's
-stage (open a sealed file, then prove it did not change while it was read), and `open_store`,
-which turns the configured durable URL into a store. Backends live in their own modules (`local` for `file://`)
-and are imported only when their scheme is asked for, so an optional client library (boto3 for a
-future `s3://`) is never imported by a box that does not use it.
+stage (open a sealed file, then prove it did not change while it was read; the single read pass
+itself is `copier.py`), and what a durable URL means: `open_store` turns it into a store and
+`local_dir` says which directory of this machine it names, if any. Nothing outside this package
+knows a scheme. Backends live in their own modules (`local` for `file://`) and are imported only
+when their scheme is asked for, so an optional client library (boto3 for a future `s3://`) is
+never imported by a box that does not use it. The contract assumes no filesystem: a copy in
+flight is an opaque handle, and free space is whatever the backend can say (`space`).
 
 The push of one artifact is three blocking calls, run by the caller in a bounded executor:
 
@@ -25,11 +28,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from sidecar.compat import SLOTS
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.identity import FileIdentity
+from sidecar.probes import DiskSample
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +55,15 @@ OWNER_NAME = ".boxwarden-owner"
 
 @dataclass(frozen=True, **SLOTS)
 class StagedCopy:
-    """A complete, not yet durable copy of `source`'s bytes, written to `tmp_path`.
+    """A complete, not yet durable copy of `source`'s bytes, in flight in the store.
 
     `digest` is the blake3 of exactly the bytes written (and read from `source`, whose identity did
-    not change during the read): it is the claim digest.
+    not change during the read): it is the claim digest. `handle` is the store's own business
+    (a temp file, an upload in progress): only the store that staged the copy can use it.
     """
 
     rel: str
-    tmp_path: Path
+    handle: object
     digest: str
     size: int
     source: FileIdentity
@@ -125,8 +130,9 @@ class DurableStore(Protocol):
         already belongs to another: one run never overwrites another run's durable copies."""
         ...
 
-    def path_for_usage(self) -> Path:
-        """A local path on the store's filesystem, for `os.statvfs` (free space, inodes)."""
+    def space(self) -> DiskSample | None:
+        """Free and total bytes and inodes where the copies land; None when the backend has no such
+        notion (an object store). Raises StorageError when it has one but it cannot be read now."""
         ...
 
     def close(self) -> None:
@@ -205,6 +211,16 @@ def check_source_unchanged(src: Path, before: FileIdentity, fd: int, copied: int
             f"{src} changed while it was copied (identity {before} → {after_path}, "
             f"{copied} bytes read of {before.size}); it was still being written"
         )
+
+
+def local_dir(url: str) -> Path | None:
+    """The directory of this machine that the durable URL names (`file:///abs/dir`); None for a
+    URL of any other kind. Syntax only: nothing is looked at."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+        return None
+    path = unquote(parts.path)
+    return Path(path) if path.startswith("/") else None
 
 
 def open_store(url: str, scope: tuple[str, ...] = ()) -> DurableStore:

@@ -2,9 +2,8 @@
 
 This module owns the copy, commit and proof of one artifact on a POSIX filesystem:
 
-- stage: ONE read pass over the source. The calling thread reads each chunk into a reusable,
-  page-aligned buffer and hashes it while a writer thread writes that same buffer to
-  `<root>/.boxwarden-tmp/<uuid>`, so the digest is of exactly the bytes written. Copies of 1 MiB
+- stage: ONE read pass over the source (`copier.single_pass`, shared with other backends) into
+  the temp file `<root>/.boxwarden-tmp/<uuid>`, whose path is the staged copy's handle. Copies of 1 MiB
   and more are written with O_DIRECT: no page-cache copy to make, nothing left for fsync to flush,
   and the trainer keeps its page cache. Where O_DIRECT is refused, written ranges are pushed to
   the device early instead (POSIX_FADV_DONTNEED starts writeback of dirty pages).
@@ -20,20 +19,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import itertools
 import logging
-import mmap
 import os
 import stat
 import uuid
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
 from sidecar import hashing
 from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
+from sidecar.probes import DiskSample
 from sidecar.storage import (
     ATTIC_NAME,
     ID_NAME,
@@ -45,6 +41,7 @@ from sidecar.storage import (
     open_source,
     split_rel,
 )
+from sidecar.storage.copier import BUFFERS, single_pass
 from sidecar.storage.fsio import (
     CHILD_VERIFY_MIN,
     close_fd,
@@ -68,13 +65,45 @@ logger = logging.getLogger(__name__)
 WRITEBACK_WINDOW = 64 << 20
 """Buffered copies only: bytes written between two writeback kicks during stage."""
 
-_BUFFERS = 3  # chunk buffers per stage: one being read and hashed, up to three being written
 _ALIGN = 4096  # O_DIRECT offset/length alignment that every common block device accepts
 _DIRECT_MIN = 1 << 20  # below this, the page cache costs nothing worth avoiding
 
 
 class _DirectUnsupported(Exception):
     """An O_DIRECT write was refused (alignment the filesystem will not take); retry buffered."""
+
+
+class _FileSink:
+    """A pass written into the temp file `fd` at `path`: with O_DIRECT while `direct` (page-aligned
+    buffers, aligned lengths), else through the page cache with writeback started as it goes."""
+
+    def __init__(self, fd: int, path: Path, direct: bool) -> None:
+        self.fd, self.path, self.direct = fd, path, direct
+        self._kicked = self._dropped = 0
+
+    def write(self, data: memoryview, offset: int) -> None:
+        if self.direct and len(data) % _ALIGN:
+            # A short read (normally the last one) leaves an unaligned length, and O_DIRECT takes
+            # aligned lengths only: the rest goes through the page cache. This write is `alone`: no
+            # other write of the pass runs under the flag change.
+            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            self.direct = False
+        try:
+            pwrite_all(self.fd, data, offset)
+        except OSError as exc:
+            if self.direct and exc.errno == errno.EINVAL:
+                raise _DirectUnsupported from exc
+            raise storage_error("writing temp copy", self.path, exc) from exc
+
+    def written(self, end: int) -> None:
+        if not self.direct and end - self._kicked >= WRITEBACK_WINDOW:
+            # Start writeback of what is written and drop what went out last time, so that fsync
+            # has little left to do and the page cache stays the trainer's.
+            os.posix_fadvise(self.fd, self._dropped, end - self._dropped, os.POSIX_FADV_DONTNEED)
+            self._dropped, self._kicked = self._kicked, end
+
+    def alone(self, n: int) -> bool:
+        return self.direct and n % _ALIGN != 0
 
 
 class LocalStore:
@@ -108,9 +137,9 @@ class LocalStore:
         self._direct_io = direct_io
         self._child_verify_min = child_verify_min
         self._tmp_dir = root / TMP_DIRNAME
-        # Writes of every concurrent stage share these threads; each stage has at most _BUFFERS
+        # Writes of every concurrent stage share these threads; each stage has at most BUFFERS
         # writes in flight, and a few concurrent stages already saturate any disk.
-        self._write_pool = ThreadPoolExecutor(max_workers=2 * _BUFFERS, thread_name_prefix="boxwarden-write")
+        self._write_pool = ThreadPoolExecutor(max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-write")
 
     @classmethod
     def from_url(cls, url: str, scope: tuple[str, ...] = ()) -> LocalStore:
@@ -160,7 +189,10 @@ class LocalStore:
             tmp_path, out_fd, direct = self._open_tmp(before.size)
             try:
                 try:
-                    digest, copied = self._copy(src, src_fd, out_fd, tmp_path, direct, progress)
+                    sink = _FileSink(out_fd, tmp_path, direct)
+                    digest, copied = single_pass(
+                        src, src_fd, sink, self._write_pool, chunk_size=self._chunk_size, progress=progress
+                    )
                 finally:
                     close_fd(out_fd)
                 check_source_unchanged(src, before, src_fd, copied)
@@ -175,7 +207,7 @@ class LocalStore:
             return self.stage(src, rel, progress=progress)
         finally:
             close_fd(src_fd)
-        return StagedCopy(rel=rel, tmp_path=tmp_path, digest=digest, size=copied, source=before)
+        return StagedCopy(rel=rel, handle=tmp_path, digest=digest, size=copied, source=before)
 
     def _open_tmp(self, size: int) -> tuple[Path, int, bool]:
         """Create a fresh temp file; returns its path, a write fd, and whether the fd is O_DIRECT."""
@@ -207,96 +239,38 @@ class LocalStore:
         finally:
             close_fd(dir_fd)
 
-    def _copy(
-        self, src: Path, src_fd: int, out_fd: int, tmp_path: Path, direct: bool, progress: Progress | None
-    ) -> tuple[str, int]:
-        """The single pass over the source.
-
-        The calling thread reads chunk i into one of three buffers and hashes it while a writer
-        thread writes the same buffer at its offset, so reading+hashing overlaps writing and the
-        device sees up to three writes in flight. The hashed bytes and the written bytes are the
-        same memory: the digest is of exactly what was written.
-        """
-        # One hashing thread: it keeps pace with the device (3.5 GB/s), and a multithreaded hash
-        # measured no faster here while it would take cores from the trainer.
-        hasher = hashing.new_hasher()
-        # mmap'd buffers are page aligned, as O_DIRECT requires.
-        buffers = [mmap.mmap(-1, self._chunk_size) for _ in range(_BUFFERS)]
-        writes: deque[tuple[Future[None], int]] = deque()  # in submission order, with end offset
-        copied = kicked = dropped = 0
-        try:
-            for i in itertools.count():
-                if len(writes) == _BUFFERS:  # the buffer about to be reused is still being written
-                    written = self._finish_write(writes.popleft(), tmp_path, direct)
-                    if not direct and written - kicked >= WRITEBACK_WINDOW:
-                        # Start writeback of what is written and drop what went out last time,
-                        # so fsync has little left to do and the page cache stays the trainer's.
-                        os.posix_fadvise(out_fd, dropped, written - dropped, os.POSIX_FADV_DONTNEED)
-                        dropped, kicked = kicked, written
-                buf = buffers[i % _BUFFERS]
-                try:
-                    n = os.readv(src_fd, [buf])
-                except OSError as exc:
-                    raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
-                if n == 0:
-                    break
-                view = memoryview(buf)[:n]
-                if direct and n % _ALIGN:
-                    # A short read (normally the last one) leaves an unaligned length, and O_DIRECT
-                    # takes aligned lengths only: the rest of the copy goes through the page cache.
-                    while writes:
-                        self._finish_write(writes.popleft(), tmp_path, direct)
-                    fcntl.fcntl(out_fd, fcntl.F_SETFL, fcntl.fcntl(out_fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-                    direct = False
-                writes.append((self._write_pool.submit(pwrite_all, out_fd, view, copied), copied + n))
-                hasher.update(view)
-                copied += n
-                if progress is not None:
-                    progress(copied)
-            while writes:
-                self._finish_write(writes.popleft(), tmp_path, direct)
-        finally:
-            # Never let the caller close the fd (or the buffers go) under a write in flight.
-            futures_wait([f for f, _ in writes])
-        return hasher.hexdigest(), copied
-
-    @staticmethod
-    def _finish_write(write: tuple[Future[None], int], tmp_path: Path, direct: bool) -> int:
-        future, end = write
-        try:
-            future.result()
-        except OSError as exc:
-            if direct and exc.errno == errno.EINVAL:
-                raise _DirectUnsupported from exc
-            raise storage_error("writing temp copy", tmp_path, exc) from exc
-        return end
-
     # ---------------------------------------------------------------------------------- commit
 
     def commit(self, staged: StagedCopy) -> str | None:
         parts = split_rel(staged.rel)
-        if staged.tmp_path.parent != self._tmp_dir:
-            raise PreconditionError(f"{staged.tmp_path} was not staged by the store at {self.url}")
+        tmp = self._tmp_of(staged)
         try:
-            moved = self._commit(staged, parts)
+            moved = self._commit(tmp, parts)
         except BaseException:
             # A failed commit leaves no temp behind; the caller re-stages from the source.
-            remove_quietly(staged.tmp_path)
+            remove_quietly(tmp)
             raise
         logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
         return moved
 
-    def _commit(self, staged: StagedCopy, parts: tuple[str, ...]) -> str | None:
+    def _tmp_of(self, staged: StagedCopy) -> Path:
+        """The temp file behind a copy this store staged; PreconditionError for any other copy."""
+        tmp = staged.handle
+        if not isinstance(tmp, Path) or tmp.parent != self._tmp_dir:
+            raise PreconditionError(f"the copy of {staged.rel} was not staged by the store at {self.url}")
+        return tmp
+
+    def _commit(self, tmp: Path, parts: tuple[str, ...]) -> str | None:
         try:
-            fd = os.open(staged.tmp_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError as exc:
-            raise PreconditionError(f"staged copy {staged.tmp_path} is gone (discarded or cleaned)") from exc
+            raise PreconditionError(f"staged copy {tmp} is gone (discarded or cleaned)") from exc
         except OSError as exc:
-            raise storage_error("opening staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("opening staged copy", tmp, exc) from exc
         try:
             os.fsync(fd)
         except OSError as exc:
-            raise storage_error("flushing staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("flushing staged copy", tmp, exc) from exc
         finally:
             close_fd(fd)
         final = self.root.joinpath(*parts)
@@ -307,7 +281,7 @@ class LocalStore:
             # symlink there means someone else is writing under our root: refuse, loudly.
             refuse_symlink(final, parts[-1], dir_fds[-1])
             try:
-                os.replace(staged.tmp_path, parts[-1], dst_dir_fd=dir_fds[-1])
+                os.replace(tmp, parts[-1], dst_dir_fd=dir_fds[-1])
             except OSError as exc:
                 raise storage_error("renaming staged copy to", final, exc) from exc
             try:
@@ -406,14 +380,13 @@ class LocalStore:
                 close_fd(fd)
 
     def discard(self, staged: StagedCopy) -> None:
-        if staged.tmp_path.parent != self._tmp_dir:
-            raise PreconditionError(f"{staged.tmp_path} was not staged by the store at {self.url}")
+        tmp = self._tmp_of(staged)
         try:
-            os.unlink(staged.tmp_path)
+            os.unlink(tmp)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            raise storage_error("removing staged copy", staged.tmp_path, exc) from exc
+            raise storage_error("removing staged copy", tmp, exc) from exc
 
     # ---------------------------------------------------------------------------------- verify
 
@@ -466,8 +439,12 @@ class LocalStore:
         close_fd(fd)
         return True
 
-    def path_for_usage(self) -> Path:
-        return self.root
+    def space(self) -> DiskSample:
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            raise storage_error("reading the free space of", self.root, exc) from exc
+        return DiskSample.of(self.root, "durable", st)
 
     def bind_owner(self, owner: str) -> None:
         self._refuse_strangers_folder()

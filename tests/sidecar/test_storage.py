@@ -94,7 +94,7 @@ def test_round_trip(store: LocalStore, tmp_path: Path, size: int) -> None:
     staged = store.stage(src, "run-1/ckpt.bin")
     assert staged.size == size
     assert staged.digest == hash_file(src) == b3sum(src)
-    assert staged.tmp_path.exists()
+    assert isinstance(staged.handle, Path) and staged.handle.exists()  # a file store: its temp copy
     assert not store.exists("run-1/ckpt.bin")
 
     store.commit(staged)
@@ -426,7 +426,7 @@ def test_foreign_staged_copy_is_refused(store: LocalStore, tmp_path: Path) -> No
         store.commit(staged)
     with pytest.raises(PreconditionError, match="not staged by"):
         store.discard(staged)
-    assert staged.tmp_path.exists()
+    assert isinstance(staged.handle, Path) and staged.handle.exists()  # a file store: its temp copy
 
 
 class LocalStoreClosing:
@@ -511,7 +511,9 @@ def test_open_store_creates_root_but_not_parents(tmp_path: Path) -> None:
     try:
         assert (tmp_path / "durable").is_dir()
         assert store.url == (tmp_path / "durable").as_uri()
-        assert store.path_for_usage() == (tmp_path / "durable").resolve()
+        space = store.space()
+        assert space is not None and space.path == (tmp_path / "durable").resolve()
+        assert space.role == "durable" and space.total_bytes > 0 and 0 < space.free_bytes <= space.total_bytes
     finally:
         store.close()
     with pytest.raises(ConfigError, match="does not exist"):

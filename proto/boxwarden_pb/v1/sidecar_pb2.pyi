@@ -182,6 +182,7 @@ class SidecarConfig(_message.Message):
     WORKDIR_FIELD_NUMBER: _builtins.int
     RESCAN_MS_FIELD_NUMBER: _builtins.int
     EXCLUDE_PATTERNS_FIELD_NUMBER: _builtins.int
+    DURABLE_CREDENTIALS_FILE_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -191,7 +192,7 @@ class SidecarConfig(_message.Message):
     socket_path: _builtins.str
     """Unix socket path to listen on (must be shorter than 107 bytes). Its directory is made 0700."""
     durable_url: _builtins.str
-    """Durable storage URL. This version supports file:///absolute/dir. Copies land under
+    """Durable storage URL (file:///absolute/dir). Copies land under
     <durable_url>/<box_name>/<run_id>/, a corner that belongs to this run alone.
     """
     settle_ms: _builtins.int
@@ -211,6 +212,12 @@ class SidecarConfig(_message.Message):
     rescan_ms: _builtins.int
     """Full rescan of the watched directories every this many milliseconds, to catch anything the
     watcher missed (inotify overflow). 0 means the default, 10000.
+    """
+    durable_credentials_file: _builtins.str
+    """A file holding the durable store's credentials, read by the store's backend (absolute; a
+    regular file of the sidecar's user that no one else may read: mode 0600 or stricter), where
+    `up --durable-credentials` puts them. Empty: the backend's standard sources on the box. The
+    credentials themselves are never in this config, in argv, logs, events or status.
     """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -248,10 +255,11 @@ class SidecarConfig(_message.Message):
         workdir: _builtins.str = ...,
         rescan_ms: _builtins.int = ...,
         exclude_patterns: _abc.Iterable[_builtins.str] | None = ...,
+        durable_credentials_file: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

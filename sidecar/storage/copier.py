@@ -1,0 +1,104 @@
+"""The single read pass of a stage, shared by every backend: read a sealed file chunk by chunk,
+hash each chunk, and hand the very same memory to the backend's sink (a temp file, the parts of a
+multipart upload), so the digest is of exactly the bytes the sink received.
+
+The calling thread reads chunk i into one of a few reusable, page-aligned buffers and hashes it
+while a pool thread hands the same buffer to `Sink.write` at its offset: reading+hashing overlaps
+writing, with at most `buffers` writes in flight (bounded memory: nothing is buffered whole). A
+buffer is read into again only after its write returned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+from collections import deque
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as futures_wait
+from pathlib import Path
+from typing import Protocol
+
+from sidecar import hashing
+from sidecar.errors import StorageError
+from sidecar.storage import Progress
+
+BUFFERS = 3
+"""Chunk buffers per pass: one being read and hashed while the others are being written."""
+
+
+class Sink(Protocol):
+    """Where a pass writes. `write` runs in a pool thread, possibly beside other writes of the same
+    pass (each at its own offset, never overlapping); the others run in the calling thread."""
+
+    def write(self, data: memoryview, offset: int) -> None:
+        """Write all of `data` at `offset`, or raise (a StorageError, or what the sink's own
+        caller knows how to handle). `data` is valid only until this returns."""
+        ...
+
+    def written(self, end: int) -> None:
+        """Every byte before `end` is written (the writes finished in order up to there)."""
+        ...
+
+    def alone(self, n: int) -> bool:
+        """The next chunk holds `n` bytes: True when it must be written alone, no other write of the
+        pass in flight before it finishes (the sink changes how it writes, e.g. O_DIRECT cannot take
+        a short last chunk)."""
+        ...
+
+
+def single_pass(
+    src: Path,
+    src_fd: int,
+    sink: Sink,
+    pool: Executor,
+    *,
+    chunk_size: int,
+    buffers: int = BUFFERS,
+    progress: Progress | None = None,
+) -> tuple[str, int]:
+    """Copy everything `src_fd` yields to `sink`; returns (blake3 of the bytes, how many).
+
+    Raises StorageError for a failed read of the source, and whatever a write raised. Returns or
+    raises only once no write is in flight (the caller may then close what the sink writes to)."""
+    # One hashing thread: it keeps pace with the device (3.5 GB/s), and a multithreaded hash
+    # measured no faster here while it would take cores from the trainer.
+    hasher = hashing.new_hasher()
+    # mmap'd buffers are page aligned, as O_DIRECT requires.
+    ring = [mmap.mmap(-1, chunk_size) for _ in range(buffers)]
+    writes: deque[tuple[Future[None], int]] = deque()  # in submission order, with end offset
+
+    def finish_one() -> None:
+        future, end = writes.popleft()
+        future.result()
+        sink.written(end)
+
+    copied = 0
+    try:
+        for i in itertools.count():
+            if len(writes) == buffers:  # the buffer about to be reused is still being written
+                finish_one()
+            buf = ring[i % buffers]
+            try:
+                n = os.readv(src_fd, [buf])
+            except OSError as exc:
+                raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+            if n == 0:
+                break
+            view = memoryview(buf)[:n]
+            alone = sink.alone(n)
+            while alone and writes:
+                finish_one()
+            writes.append((pool.submit(sink.write, view, copied), copied + n))
+            hasher.update(view)
+            copied += n
+            while alone and writes:
+                finish_one()
+            if progress is not None:
+                progress(copied)
+        while writes:
+            finish_one()
+    finally:
+        # Never let the caller close the sink (or the buffers go) under a write in flight.
+        futures_wait([f for f, _ in writes])
+    return hasher.hexdigest(), copied
