@@ -157,7 +157,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     # Each run of each box has its own corner of the durable store, owned by this ledger: boxes
     # sharing one URL, and runs reusing a box name, never overwrite each other's copies, and
     # clean_tmp only ever touches this run's temp files.
-    store = open_store(s.durable_url, (s.box_name, s.run_id))
+    store = open_store(s.durable_url, (s.box_name, s.run_id), credentials=s.durable_credentials)
     store.bind_owner(ledger.ledger_id)
     leftovers = store.clean_tmp()
     if leftovers:

@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
+from tests.s3server import s3  # noqa: F401
 from tests.sshbox import ssh_box, sshd  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@ relative paths (`rel`) that name artifacts inside a store, the source side of ev
 stage (open a sealed file, then prove it did not change while it was read; the single read pass
 itself is `copier.py`), and what a durable URL means: `open_store` turns it into a store and
 `local_dir` says which directory of this machine it names, if any. Nothing outside this package
-knows a scheme. Backends live in their own modules (`local` for `file://`) and are imported only
-when their scheme is asked for, so an optional client library (boto3 for a future `s3://`) is
-never imported by a box that does not use it. The contract assumes no filesystem: a copy in
+knows a scheme. Backends live in their own modules (`local` for `file://`, `s3` for `s3://`)
+and are imported only when their scheme is asked for, so an optional client library (boto3 for
+`s3://`) is never imported by a box that does not use it. The contract assumes no filesystem: a copy in
 flight is an opaque handle, and free space is whatever the backend can say (`space`).
 
 The push of one artifact is three blocking calls, run by the caller in a bounded executor:
@@ -37,7 +37,7 @@ from sidecar.probes import DiskSample
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SCHEMES = ("file",)
+SUPPORTED_SCHEMES = ("file", "s3")
 
 TMP_DIRNAME = ".boxwarden-tmp"
 """Directory under a store's root that holds copies in flight; never a valid first `rel` part."""
@@ -223,20 +223,28 @@ def local_dir(url: str) -> Path | None:
     return Path(path) if path.startswith("/") else None
 
 
-def open_store(url: str, scope: tuple[str, ...] = ()) -> DurableStore:
+def open_store(url: str, scope: tuple[str, ...] = (), credentials: Path | None = None) -> DurableStore:
     """Open the durable store named by `url`, narrowed to the sub-directories `scope` (a box's
     name, then its run id: every run gets its own corner).
 
     Supported: `file:///absolute/dir` (a local or mounted filesystem). The directory itself is
     created if missing, but its parent must exist: a missing parent usually means a volume that is
     not mounted, and creating the tree there would silently write to the box's ephemeral disk.
-    The scope directories are created under it. Anything else raises ConfigError.
+    The scope directories are created under it. `s3://bucket/prefix[?endpoint_url=…&region=…]`:
+    an S3-compatible bucket (boto3 needed), with `credentials` (a file, see `s3.read_credentials`)
+    or boto3's standard sources. Anything else raises ConfigError.
     """
     scheme = urlsplit(url).scheme if isinstance(url, str) else ""
     if scheme == "file":
+        if credentials is not None:
+            raise ConfigError(f"durable URL {url!r}: a credentials file is for s3:// stores, not file://")
         from sidecar.storage.local import LocalStore
 
         return LocalStore.from_url(url, scope)
+    if scheme == "s3":
+        from sidecar.storage.s3 import S3Store
+
+        return S3Store.from_url(url, scope, credentials)
     supported = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
     raise ConfigError(
         f"durable URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "

@@ -54,10 +54,13 @@ def single_pass(
     pool: Executor,
     *,
     chunk_size: int,
+    limit: int,
     buffers: int = BUFFERS,
     progress: Progress | None = None,
 ) -> tuple[str, int]:
-    """Copy everything `src_fd` yields to `sink`; returns (blake3 of the bytes, how many).
+    """Copy what `src_fd` yields to `sink`, `limit` bytes at most (the size of the sealed file: a
+    file that grows while it is read would otherwise never end the pass; the caller sees the change
+    in its identity). Returns (blake3 of the bytes, how many).
 
     Raises StorageError for a failed read of the source, and whatever a write raised. Returns or
     raises only once no write is in flight (the caller may then close what the sink writes to)."""
@@ -79,8 +82,9 @@ def single_pass(
             if len(writes) == buffers:  # the buffer about to be reused is still being written
                 finish_one()
             buf = ring[i % buffers]
+            want = min(chunk_size, limit - copied)
             try:
-                n = os.readv(src_fd, [buf])
+                n = os.readv(src_fd, [memoryview(buf)[:want]]) if want > 0 else 0
             except OSError as exc:
                 raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
             if n == 0:

@@ -191,7 +191,13 @@ class LocalStore:
                 try:
                     sink = _FileSink(out_fd, tmp_path, direct)
                     digest, copied = single_pass(
-                        src, src_fd, sink, self._write_pool, chunk_size=self._chunk_size, progress=progress
+                        src,
+                        src_fd,
+                        sink,
+                        self._write_pool,
+                        chunk_size=self._chunk_size,
+                        limit=before.size,
+                        progress=progress,
                     )
                 finally:
                     close_fd(out_fd)

@@ -83,7 +83,7 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 def copy(src: Path, sink: MemorySink, pool: ThreadPoolExecutor, **kw: object) -> tuple[str, int]:
     fd = os.open(src, os.O_RDONLY)
     try:
-        return single_pass(src, fd, sink, pool, chunk_size=CHUNK, **kw)  # type: ignore[arg-type]
+        return single_pass(src, fd, sink, pool, chunk_size=CHUNK, limit=os.fstat(fd).st_size, **kw)  # type: ignore[arg-type]
     finally:
         os.close(fd)
 
@@ -101,6 +101,22 @@ def test_the_sink_gets_exactly_the_bytes_that_were_hashed(
     assert bytes(sink.data) == src.read_bytes()
     assert sink.ends == sorted(sink.ends) and sink.ends[-1:] == ([size] if size else [])
     assert seen == sink.ends  # progress counts what was read, in the same steps
+
+
+def test_a_file_that_grows_while_it_is_read_ends_the_pass_at_its_sealed_size(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    src = tmp_path / "train.log"
+    src.write_bytes(os.urandom(3 * CHUNK))
+
+    def append(copied: int) -> None:  # a writer that outruns the reader: the pass must still end
+        with open(src, "ab") as f:
+            f.write(os.urandom(CHUNK))
+
+    sink = MemorySink()
+    digest, copied = copy(src, sink, pool, progress=append)
+    assert copied == 3 * CHUNK and bytes(sink.data) == src.read_bytes()[: 3 * CHUNK]
+    assert digest == blake3.blake3(src.read_bytes()[: 3 * CHUNK]).hexdigest()
 
 
 def test_no_more_writes_are_in_flight_than_buffers(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
@@ -141,7 +157,7 @@ def test_a_failed_read_of_the_source_is_a_storage_error(tmp_path: Path, pool: Th
     fd = os.open(src, os.O_WRONLY)  # readv on a write-only fd fails with EBADF
     try:
         with pytest.raises(StorageError, match="reading source"):
-            single_pass(src, fd, MemorySink(), pool, chunk_size=CHUNK)
+            single_pass(src, fd, MemorySink(), pool, chunk_size=CHUNK, limit=100)
     finally:
         os.close(fd)
 

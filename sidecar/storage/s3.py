@@ -1,0 +1,448 @@
+"""`s3://bucket/prefix` durable store: any S3-compatible object store (AWS, R2, B2, MinIO, moto).
+
+This module owns the copy, commit and proof of one artifact in a bucket:
+
+- stage: ONE read pass (`copier.single_pass`) whose sink uploads each chunk as one part of a
+  multipart upload, with a SHA256 checksum the server checks; a part is sent from the pass's own
+  buffer (bounded memory: a few parts, never the file). The upload in progress is the staged copy's
+  handle: an upload is invisible until it is completed, so nothing half-sent is ever an object.
+- commit: complete the upload at the artifact's key, then write the claim's blake3 into the
+  object's metadata (a server-side copy onto itself: S3 takes metadata only when an object is made,
+  and the digest is known only once the pass is over).
+- verify: GET the whole object and hash it; equal to the claim → proven. The object's metadata
+  proves nothing and is not looked at.
+- clean_tmp: abort every multipart upload under the store's keys (a crash leaves them behind,
+  billed and invisible).
+
+boto3 is imported only here, and this module only when a durable URL says `s3://`.
+
+URL: `s3://BUCKET[/PREFIX][?endpoint_url=URL&region=NAME&addressing_style=path|virtual|auto]`.
+Credentials: the file given in the sidecar's config (`[default]` with `aws_access_key_id`,
+`aws_secret_access_key`, optionally `aws_session_token`, as in ~/.aws/credentials), else boto3's
+standard sources on the box. They never appear in a message of this module.
+"""
+
+from __future__ import annotations
+
+import configparser
+import logging
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
+
+from sidecar import hashing
+from sidecar.compat import SLOTS
+from sidecar.errors import ConfigError, PreconditionError, StorageError
+from sidecar.probes import DiskSample
+from sidecar.storage import (
+    ATTIC_NAME,
+    ID_NAME,
+    OWNER_NAME,
+    Progress,
+    StagedCopy,
+    check_source_unchanged,
+    open_source,
+    split_rel,
+)
+from sidecar.storage.copier import BUFFERS, single_pass
+
+logger = logging.getLogger(__name__)
+
+MAX_PARTS = 10_000  # S3's limit on the parts of one upload
+MIN_PART = 5 << 20  # S3's smallest part but the last
+MAX_COPY = 5 << 30  # the largest object one CopyObject may copy; larger ones are copied by parts
+READ_CHUNK = 8 << 20
+QUERY_KEYS = ("endpoint_url", "region", "addressing_style")
+
+
+def part_size(size: int) -> int:
+    """The chunk (= part) size of the pass for a file of `size` bytes: the stage chunk, or larger so
+    that the parts stay under S3's 10,000 (a 1 TiB checkpoint takes 105 MiB parts)."""
+    need = -(-size // (MAX_PARTS - 1))
+    mib = 1 << 20
+    return max(hashing.STAGE_CHUNK, -(-need // mib) * mib)
+
+
+@dataclass(**SLOTS)
+class _Upload:
+    """A multipart upload in progress: the handle of a copy staged in an S3 store."""
+
+    store: int  # id() of the store that made it
+    key: str
+    upload_id: str
+    chunk: int
+    parts: dict[int, dict[str, Any]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class _PartSink:
+    """Each chunk of the pass becomes the part at its offset (all chunks but the last are full)."""
+
+    def __init__(self, s3: S3Store, up: _Upload) -> None:
+        self._s3, self._up = s3, up
+
+    def write(self, data: memoryview, offset: int) -> None:
+        number = offset // self._up.chunk + 1
+        r = self._s3.call(
+            "uploading a part of",
+            self._up.key,
+            "upload_part",
+            Key=self._up.key,
+            UploadId=self._up.upload_id,
+            PartNumber=number,
+            Body=bytes(data),
+            ChecksumAlgorithm="SHA256",
+        )
+        with self._up.lock:
+            self._up.parts[number] = {
+                "PartNumber": number,
+                "ETag": r["ETag"],
+                "ChecksumSHA256": r["ChecksumSHA256"],
+            }
+
+    def written(self, end: int) -> None:
+        pass
+
+    def alone(self, n: int) -> bool:
+        return False
+
+
+def read_credentials(path: Path) -> dict[str, str]:
+    """boto3's keyword arguments from a credentials file (its `[default]` section)."""
+    parser = configparser.ConfigParser(interpolation=None)
+    try:
+        with open(path, encoding="utf-8") as f:
+            parser.read_file(f)
+    except (OSError, UnicodeDecodeError, configparser.Error) as exc:
+        # The parser's message may quote the file's lines: never pass it on.
+        raise ConfigError(
+            f"the credentials file {path} cannot be read as [default] with keys ({type(exc).__name__})"
+        ) from None
+    if not parser.has_section("default"):
+        raise ConfigError(f"the credentials file {path} has no [default] section")
+    sec = parser["default"]
+    keys = {
+        k: sec[k].strip()
+        for k in ("aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+        if sec.get(k, "").strip()
+    }
+    if "aws_access_key_id" not in keys or "aws_secret_access_key" not in keys:
+        raise ConfigError(
+            f"the credentials file {path} needs aws_access_key_id and aws_secret_access_key in [default]"
+        )
+    return keys
+
+
+class S3Store:
+    """A durable store under one key prefix of one bucket. Thread-safe."""
+
+    def __init__(self, client: Any, bucket: str, prefix: str, *, url: str) -> None:
+        """`prefix` is "" or ends with "/"; every key of the store starts with it."""
+        self._client, self.bucket, self.prefix, self.url = client, bucket, prefix, url
+        self._pool = ThreadPoolExecutor(max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-s3")
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
+        self._client_error = ClientError
+
+    @classmethod
+    def from_url(cls, url: str, scope: tuple[str, ...] = (), credentials: Path | None = None) -> S3Store:
+        parts = urlsplit(url)
+        bucket = parts.netloc
+        if not bucket or parts.fragment or "@" in bucket or ":" in bucket:
+            raise ConfigError(f"durable URL {url!r}: expected s3://BUCKET/PREFIX (no user, port or fragment)")
+        query = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(query) - set(QUERY_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"durable URL {url!r}: unknown option {unknown[0]!r}; known: {', '.join(QUERY_KEYS)}"
+            )
+        style = query.get("addressing_style", "auto")
+        if style not in ("path", "virtual", "auto"):
+            raise ConfigError(f"durable URL {url!r}: addressing_style must be path, virtual or auto")
+        for part in scope:
+            if not part or part in (".", "..") or "/" in part or "\x00" in part:
+                raise ConfigError(f"durable URL {url!r}: {part!r} cannot name a directory in it")
+        names = [p for p in unquote(parts.path).split("/") if p]
+        if any(p in (".", "..") for p in names):
+            raise ConfigError(f"durable URL {url!r}: the prefix may not hold '.' or '..'")
+        prefix = "".join(f"{p}/" for p in [*names, *scope])
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:
+            raise ConfigError(
+                f"durable URL {url!r}: the s3:// store needs boto3 on the box (pip install 'boxwarden[s3]')"
+            ) from exc
+        keys = read_credentials(credentials) if credentials is not None else {}
+        session = boto3.session.Session(**keys, region_name=query.get("region") or None)
+        client = session.client(
+            "s3",
+            endpoint_url=query.get("endpoint_url") or None,
+            config=Config(
+                s3={"addressing_style": style},
+                retries={"max_attempts": 5, "mode": "adaptive"},
+                connect_timeout=15,
+                read_timeout=60,
+                max_pool_connections=4 * BUFFERS,
+                # Checksums where a request asks for them (each part's SHA256), not botocore's own
+                # everywhere: many S3-compatible stores refuse or mangle those, and the proof here
+                # is the blake3 of a full re-read, whatever the server says.
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        base = url.split("?", 1)[0].rstrip("/")
+        return cls(client, bucket, prefix, url="/".join([base, *(quote(p) for p in scope)]))
+
+    # -------------------------------------------------------------------------------- requests
+
+    def call(self, doing: str, key: str, op: str, **kw: Any) -> Any:
+        """One request on the bucket; any failure is a StorageError naming the object and S3's
+        error code (never the request, which may carry signed credentials)."""
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kw)
+        except self._errors as exc:
+            raise StorageError(f"{doing} s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+
+    def _reason(self, exc: BaseException) -> str:
+        if isinstance(exc, self._client_error):
+            err = exc.response.get("Error", {})
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+        return type(exc).__name__
+
+    def _missing(self, exc: BaseException) -> bool:
+        if not isinstance(exc, self._client_error):
+            return False
+        err = exc.response.get("Error", {})
+        return str(err.get("Code")) in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
+
+    def _head(self, key: str) -> dict[str, Any] | None:
+        try:
+            return dict(self._client.head_object(Bucket=self.bucket, Key=key))
+        except self._errors as exc:
+            if self._missing(exc):
+                return None
+            raise StorageError(f"looking at s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+
+    def _key(self, rel: str) -> str:
+        split_rel(rel)
+        return self.prefix + rel
+
+    # ----------------------------------------------------------------------------------- stage
+
+    def stage(self, src: Path, rel: str, *, progress: Progress | None = None) -> StagedCopy:
+        key = self._key(rel)
+        before, src_fd = open_source(src)
+        try:
+            chunk = part_size(before.size)
+            r = self.call(
+                "starting an upload to", key, "create_multipart_upload", Key=key, ChecksumAlgorithm="SHA256"
+            )
+            up = _Upload(store=id(self), key=key, upload_id=r["UploadId"], chunk=chunk)
+            try:
+                digest, copied = single_pass(
+                    src,
+                    src_fd,
+                    _PartSink(self, up),
+                    self._pool,
+                    chunk_size=chunk,
+                    limit=before.size,
+                    progress=progress,
+                )
+                check_source_unchanged(src, before, src_fd, copied)
+            except BaseException:
+                self._abort(up)
+                raise
+        finally:
+            os.close(src_fd)
+        return StagedCopy(rel=rel, handle=up, digest=digest, size=copied, source=before)
+
+    def _upload_of(self, staged: StagedCopy) -> _Upload:
+        up = staged.handle
+        if not isinstance(up, _Upload) or up.store != id(self) or up.key != self.prefix + staged.rel:
+            raise PreconditionError(f"the copy of {staged.rel} was not staged by the store at {self.url}")
+        return up
+
+    def _abort(self, up: _Upload) -> None:
+        try:
+            self._client.abort_multipart_upload(Bucket=self.bucket, Key=up.key, UploadId=up.upload_id)
+        except self._errors as exc:
+            if not self._missing(exc):
+                raise StorageError(
+                    f"aborting the upload to s3://{self.bucket}/{up.key} failed: {self._reason(exc)}"
+                ) from None
+
+    # ---------------------------------------------------------------------------------- commit
+
+    def commit(self, staged: StagedCopy) -> str | None:
+        up = self._upload_of(staged)
+        try:
+            if not up.parts:  # an empty file: an upload needs one part, and an empty one may be it
+                _PartSink(self, up).write(memoryview(b""), 0)
+            parts = [up.parts[n] for n in sorted(up.parts)]
+            if [p["PartNumber"] for p in parts] != list(range(1, len(parts) + 1)):
+                raise StorageError(f"the upload of {staged.rel} lacks parts: {sorted(up.parts)}")
+            self.call(
+                "completing the upload to",
+                up.key,
+                "complete_multipart_upload",
+                Key=up.key,
+                UploadId=up.upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self._abort(up)
+            raise
+        meta = {"blake3": staged.digest, "size": str(staged.size)}
+        self._copy(up.key, up.key, staged.size, metadata=meta)
+        logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
+        return None  # keys have no kinds: "a" and "a/b" live side by side, nothing is ever in the way
+
+    def _copy(self, src: str, dst: str, size: int, *, metadata: dict[str, str] | None = None) -> None:
+        """A server-side copy of the object `src` to `dst` (REPLACE the metadata when given)."""
+        source = {"Bucket": self.bucket, "Key": src}
+        extra: dict[str, Any] = {"MetadataDirective": "REPLACE", "Metadata": metadata} if metadata else {}
+        if size <= MAX_COPY:
+            self.call("copying to", dst, "copy_object", Key=dst, CopySource=source, **extra)
+            return
+        r = self.call(
+            "starting a copy to",
+            dst,
+            "create_multipart_upload",
+            Key=dst,
+            **({"Metadata": metadata} if metadata else {}),
+        )
+        upload_id = r["UploadId"]
+        chunk = max(part_size(size), 512 << 20)
+        parts = []
+        try:
+            for i, start in enumerate(range(0, size, chunk), start=1):
+                end = min(start + chunk, size) - 1
+                p = self.call(
+                    "copying a part to",
+                    dst,
+                    "upload_part_copy",
+                    Key=dst,
+                    UploadId=upload_id,
+                    PartNumber=i,
+                    CopySource=source,
+                    CopySourceRange=f"bytes={start}-{end}",
+                )
+                parts.append({"PartNumber": i, "ETag": p["CopyPartResult"]["ETag"]})
+            self.call(
+                "completing the copy to",
+                dst,
+                "complete_multipart_upload",
+                Key=dst,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except BaseException:
+            self._abort(_Upload(store=id(self), key=dst, upload_id=upload_id, chunk=chunk))
+            raise
+
+    def discard(self, staged: StagedCopy) -> None:
+        self._abort(self._upload_of(staged))
+
+    def keep_aside(self, rel: str, tag: str) -> str | None:
+        key = self._key(rel)
+        where = "/".join((ATTIC_NAME, tag, rel))
+        aside = self.prefix + where
+        head = self._head(key)
+        if head is None:
+            return where if self._head(aside) is not None else None
+        if self._head(aside) is not None:
+            raise StorageError(f"s3://{self.bucket}/{aside} is taken already; the old copy stays at {key}")
+        self._copy(key, aside, int(head["ContentLength"]))
+        self.call("removing the old copy at", key, "delete_object", Key=key)
+        logger.warning("kept the old copy at %s aside at %s: a new file took its path", rel, where)
+        return where
+
+    # ---------------------------------------------------------------------------------- verify
+
+    def verify(self, rel: str, digest: str) -> bool:
+        key = self._key(rel)
+        try:
+            body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        except self._errors as exc:
+            if self._missing(exc):
+                return False
+            raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+        hasher = hashing.new_hasher()
+        try:
+            with body:
+                for chunk in iter(lambda: body.read(READ_CHUNK), b""):
+                    hasher.update(chunk)
+        except self._errors as exc:
+            raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+        except OSError as exc:
+            raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {exc}") from None
+        ok: bool = hasher.hexdigest() == digest
+        if not ok:
+            logger.warning("durable copy s3://%s/%s does not hash to its claim %s", self.bucket, key, digest)
+        return ok
+
+    def exists(self, rel: str) -> bool:
+        return self._head(self._key(rel)) is not None
+
+    def space(self) -> DiskSample | None:
+        return None  # a bucket has no free space to read: it says so when a write fails
+
+    # ------------------------------------------------------------------------------- ownership
+
+    def store_id(self) -> str:
+        return self._write_once(ID_NAME, uuid.uuid4().hex)
+
+    def bind_owner(self, owner: str) -> None:
+        found = self._write_once(OWNER_NAME, owner)
+        if found != owner:
+            raise ConfigError(
+                f"{self.url} holds the durable copies of another run (owner {found}, this ledger is "
+                f"{owner}); they are never overwritten: give this box another --run-id (or durable URL)"
+            )
+
+    def _write_once(self, name: str, value: str) -> str:
+        """The small object `name` under the prefix, written as `value` unless one exists: a
+        conditional PUT (If-None-Match: *), so that of two writers, the first one's value holds."""
+        key = self.prefix + name
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=value.encode() + b"\n", IfNoneMatch="*")
+            return value
+        except self._errors as exc:
+            code = (
+                str(exc.response.get("Error", {}).get("Code")) if isinstance(exc, self._client_error) else ""
+            )
+            if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
+                raise StorageError(f"writing s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+        body = self.call("reading", key, "get_object", Key=key)["Body"]
+        with body:
+            return str(body.read().decode("ascii", "replace").strip())
+
+    def clean_tmp(self) -> int:
+        aborted = 0
+        kw: dict[str, Any] = {"Prefix": self.prefix}
+        while True:
+            page = self.call("listing the uploads under", self.prefix, "list_multipart_uploads", **kw)
+            for u in page.get("Uploads", []):
+                self._abort(_Upload(store=id(self), key=u["Key"], upload_id=u["UploadId"], chunk=0))
+                aborted += 1
+            if not page.get("IsTruncated"):
+                break
+            kw.update(
+                KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", "")
+            )
+        if aborted:
+            logger.info(
+                "aborted %d uploads left by a crash under s3://%s/%s", aborted, self.bucket, self.prefix
+            )
+        return aborted
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
