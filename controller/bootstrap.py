@@ -24,6 +24,7 @@ from google.protobuf import json_format
 from controller import __version__
 from controller.client import SidecarClient
 from controller.connector import Connector, launch
+from controller.durable import CREDENTIALS_NAME
 from controller.errors import ControllerError, SidecarUnreachable, VersionMismatch
 from controller.state import Box
 
@@ -54,6 +55,7 @@ def config_for(box: Box) -> pb.SidecarConfig:
         run_id=box.run_id,
         workdir=box.workdir,
         exclude_patterns=list(box.exclude),
+        durable_credentials_file=f"{box.state_dir}/{CREDENTIALS_NAME}" if box.durable_credentials else "",
     )
 
 
@@ -90,10 +92,15 @@ def start_request(box: Box, checks: dict[str, Any], *, start: bool = True) -> di
     }
 
 
-async def up(box: Box, conn: Connector, checks: dict[str, Any]) -> UpResult:
+async def up(
+    box: Box, conn: Connector, checks: dict[str, Any], *, credentials: str | None = None
+) -> UpResult:
     """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
-    default, the profile's checks and inode floor)."""
+    default, the profile's checks and inode floor). `credentials`: the durable store's, written
+    0600 where the config says before the sidecar starts (over the request's stdin: never argv)."""
     req = start_request(box, checks)
+    if credentials is not None:
+        req["durable_credentials"] = credentials
     answer = await launch(conn, "start", req)
     findings = list(answer.get("findings", []))
     if "running" in answer:
@@ -150,15 +157,21 @@ async def _started(
     )
 
 
-async def wait_gone(box: Box, conn: Connector, pid: int, *, deadline_s: float) -> bool:
+async def wait_gone(
+    box: Box, conn: Connector, pid: int, *, deadline_s: float, forget_credentials: bool = False
+) -> bool:
     """Wait until the sidecar's socket no longer answers AND it is gone on the box (its state dir's
     lock free, its pid dead). Asked on the box: its pids are not this machine's. The box is asked
-    only once the socket is silent, less often the longer it takes."""
+    only once the socket is silent, less often the longer it takes. `forget_credentials`: once it is
+    gone, the durable store's credentials file is removed from the box (the teardown's last use)."""
+    req: dict[str, Any] = {"state_dir": box.state_dir, "pid": pid}
+    if forget_credentials and box.durable_credentials:
+        req["forget"] = f"{box.state_dir}/{CREDENTIALS_NAME}"
     deadline = time.monotonic() + deadline_s
     pause = 0.05
     while time.monotonic() < deadline:
         if await _hello(conn, timeout_s=0.5) is None:
-            answer = await launch(conn, "gone", {"state_dir": box.state_dir, "pid": pid}, timeout_s=30)
+            answer = await launch(conn, "gone", req, timeout_s=30)
             if answer.get("gone"):
                 return True
             pause = min(pause * 2, 0.5)

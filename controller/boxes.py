@@ -13,16 +13,16 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import bootstrap, checks, gate, meterstop, profiles, reach, teardown, templates
+from controller import durable as durable_url
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector, launch
 from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
 from controller.manifest import PARTS_DIR, REPLACED_DIR, RESERVED_NAMES
-from controller.pathtext import CONTROL, check_path_text
+from controller.pathtext import check_path_text
 from controller.reach import connect
 from controller.ssh import argv as sshargv
 from controller.ssh.connector import SshConnector
@@ -46,18 +46,6 @@ def check_run_id(run_id: str) -> str:
     if not RUN_ID_RULE.fullmatch(run_id):
         raise UsageError(f"run id {run_id!r} is not allowed: use {RUN_ID_CHARS}")
     return run_id
-
-
-def durable_dir(url: str) -> Path:
-    if CONTROL.search(url):
-        raise UsageError(f"durable URL {url!r} contains a control character; give the URL without it")
-    u = urlparse(url)
-    if u.scheme != "file" or u.netloc not in ("", "localhost") or not u.path.startswith("/"):
-        raise UsageError(f"durable URL {url!r}: this version supports file:///absolute/dir only")
-    path = unquote(u.path)
-    if CONTROL.search(path):  # a %00 or %0a decodes to one
-        raise UsageError(f"durable URL {url!r} decodes to a path with a control character; remove it")
-    return Path(path)
 
 
 @dataclass
@@ -99,6 +87,7 @@ async def up(
     ssh_config: str = "",
     box_index: str | None = None,
     state_on_durable: bool = False,
+    durable_credentials: Path | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -170,7 +159,15 @@ async def up(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
         )
     if durable is not None:
-        durable_dir(durable)
+        durable_url.parse(durable)
+    credentials = None
+    if durable_credentials is not None:
+        target = durable or (live.durable if live is not None else "")
+        if not target or durable_url.parse(target).is_dir:
+            raise UsageError(
+                "--durable-credentials goes with an s3:// --durable URL (a directory needs none)"
+            )
+        credentials = durable_url.read_credentials(durable_credentials)
     spec = UpSpec(
         name=name,
         prof=prof,
@@ -188,6 +185,7 @@ async def up(
         host=host or "",
         options=options,
         ssh_config=ssh_config if host else "",
+        credentials=credentials,
     )
     box_dir = state.box_dir(name)
     if host is None:
@@ -198,8 +196,11 @@ async def up(
     conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
     try:
         on_durable = state_on_durable or (live is not None and live.state_on_durable)
+        target = spec.durable or (live.durable if live is not None else "")
+        # A bucket: the sidecar's venv there needs boto3 (a directory, or the default, needs none).
+        extras = ("s3",) if target and not durable_url.parse(target).is_dir else ()
         where, default_url = await _remote_where(
-            state, name, conn, host, prof, box_dir, box_index, on_durable
+            state, name, conn, host, prof, box_dir, box_index, on_durable, extras
         )
         return await _up_on(state, spec, conn, where, default_url)
     finally:
@@ -229,6 +230,7 @@ class UpSpec:
     host: str
     options: tuple[str, ...]
     ssh_config: str
+    credentials: str | None = None  # the text of --durable-credentials (never shown, never kept here)
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,7 @@ async def _remote_where(
     box_dir: Path,
     box_index: str | None,
     state_on_durable: bool,
+    extras: tuple[str, ...] = (),
 ) -> tuple[Where, str]:
     """Probe the remote box and give it the sidecar's venv: where its state lives, its python.
     `state_on_durable`: the state and the venv live on the profile's durable tier (they survive a
@@ -268,7 +271,7 @@ async def _remote_where(
         state_root = f"{tier.path.rstrip('/')}/.boxwarden"
     probe = await remote.probe(conn, host, state_root)
     cache = wheelhouse.default_cache_root(os.environ)
-    python = await remote.ensure_venv(conn, host, probe, cache, box_index=box_index)
+    python = await remote.ensure_venv(conn, host, probe, cache, box_index=box_index, extras=extras)
     root = Path(probe.root) / "boxes" / name
     socket = root / "sidecar" / "sidecar.sock"
     if state_on_durable or len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:
@@ -291,7 +294,7 @@ async def _remote_where(
 async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
     old, live, prof, name = spec.old, spec.live, spec.prof, spec.name
     url = spec.durable or (live.durable if live is not None else default_url)
-    ddir = durable_dir(url)
+    target = durable_url.parse(url)
     state_dir = where.state_root / "sidecar"
     # The paths as the box sees them: checked and resolved there (symlinks, files in the way,
     # pseudo-filesystems, the durable dir apart from the watched ones); nothing is created yet.
@@ -301,7 +304,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         {
             "workdir": spec.workdir if spec.host else str(Path(spec.workdir).absolute()),
             "watch": list(spec.watch),
-            "durable": str(ddir),
+            "durable": str(target.dir or ""),  # an object store: nothing to resolve on the box
             "state_dir": str(state_dir),
             "reserved": sorted(RESERVED_WATCH_NAMES),
             "tiers": [t.path for t in prof.storage],
@@ -311,8 +314,12 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
     watch_abs = [str(w) for w in facts["watch"]]
     for w in watch_abs:
         check_path_text(w, "--watch")
-    _same_claims(name, old, live, watch_abs, str(facts["durable"]), spec.run_id)
-    findings = checks.watch_tier(prof, watch_abs, facts["durable"], facts["real"], facts["tiers"])
+    # A directory as the box resolved it; a bucket as given (it is off the box: on no tier of it).
+    durable = Path(facts["durable"]).as_uri() if target.is_dir else url
+    _same_claims(name, old, live, watch_abs, str(facts["durable"]) if target.is_dir else url, spec.run_id)
+    findings = checks.watch_tier(
+        prof, watch_abs, facts["durable"] if target.is_dir else None, facts["real"], facts["tiers"]
+    )
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise ControllerError("; ".join(f.message for f in errors))
@@ -328,7 +335,9 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         socket=where.socket,
         workdir=facts["workdir"],
         watch=tuple(watch_abs),
-        durable=Path(facts["durable"]).as_uri(),
+        durable=durable,
+        durable_credentials=spec.credentials is not None
+        or bool(live is not None and live.durable_credentials and live.durable == durable),
         run_id=spec.run_id
         or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
         roster=spec.roster or (old.roster if old else ()),
@@ -342,11 +351,11 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         state_on_durable=where.state_on_durable,
     )
     box_checks = {
-        **checks.box_side_request(prof),
-        "durable_dir": facts["durable"],
+        **checks.box_side_request(prof, durable_dir=target.is_dir),
+        "durable_dir": facts["durable"] if target.is_dir else "",
         "own_default": url == default_url,
     }
-    res = await bootstrap.up(box, conn, box_checks)
+    res = await bootstrap.up(box, conn, box_checks, credentials=spec.credentials)
     findings += [checks.Finding.from_json(f) for f in res.findings]
     if not res.started and old is not None:
         box = box.with_(
@@ -400,8 +409,11 @@ def _same_claims(
             f"{name} watches {', '.join(live.watch)}; `down` it before watching other dirs "
             "(its claims are about those)"
         )
-    kept = str(durable_dir(live.durable))
-    if not live.host:  # a record of an earlier version may hold the path as it was given
+    kept_dir = durable_url.parse(live.durable).dir
+    kept = str(kept_dir) if kept_dir is not None else live.durable
+    if (
+        kept_dir is not None and not live.host
+    ):  # a record of an earlier version may hold the path as it was given
         kept = os.path.realpath(kept)
     if ddir != kept:  # both resolved on the box: the same dir, however spelled
         raise UsageError(

@@ -33,10 +33,11 @@ class Finding:
         return cls(level, d["check"], d["message"])  # type: ignore[arg-type]
 
 
-def box_side_request(profile: Profile) -> dict[str, object]:
-    """What `sidecar.launch start` checks on the box for this profile."""
+def box_side_request(profile: Profile, *, durable_dir: bool = True) -> dict[str, object]:
+    """What `sidecar.launch start` checks on the box for this profile. Both checks are about a
+    durable directory: a bucket gets neither (the sidecar proves it can write there as it starts)."""
     return {
-        "checks": [c for c in profile.checks if c in BOX_SIDE],
+        "checks": [c for c in profile.checks if c in BOX_SIDE] if durable_dir else [],
         "inode_min_free": profile.inode_min_free,
         "inode_cap": profile.inode_cap,
     }
@@ -57,14 +58,16 @@ def tier_of(profile: Profile, real: str, tiers: Mapping[str, str]) -> Tier | Non
 
 
 def watch_tier(
-    profile: Profile, watch: list[str], durable: str, real: Mapping[str, str], tiers: Mapping[str, str]
+    profile: Profile, watch: list[str], durable: str | None, real: Mapping[str, str], tiers: Mapping[str, str]
 ) -> list[Finding]:
-    """Which storage tier each watched dir (and the durable dir) lands on, and whether it survives."""
+    """Which storage tier each watched dir (and the durable dir; None: an object store, on no tier of
+    the box) lands on, and whether it survives."""
     if "watch_tier" not in profile.checks:
         return []
     verb = profile.meter_stop.verb
     out: list[Finding] = []
-    for label, path in [*(("checkpoints", w) for w in watch), ("durable copies", durable)]:
+    durable_copies = [] if durable is None else [("durable copies", durable)]
+    for label, path in [*(("checkpoints", w) for w in watch), *durable_copies]:
         tier = tier_of(profile, real.get(path, path), tiers)
         if tier is None:
             out.append(Finding("ok", "watch_tier", f"{label} in {path}: on no tier this profile describes"))

@@ -16,10 +16,10 @@ import logging
 import os
 import stat
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
+from controller.durable import local_dir
 from controller.errors import TransferError, UsageError
 
 logger = logging.getLogger(__name__)
@@ -71,17 +71,6 @@ def this_boot_id() -> str:
         return ""
 
 
-def file_url_path(url: str) -> Path | None:
-    """The local directory of a file:// URL; None for any other scheme (or an empty URL)."""
-    if not url:
-        return None
-    parts = urlsplit(url)
-    if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
-        return None
-    path = unquote(parts.path)
-    return Path(path) if path.startswith("/") else None
-
-
 def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
     """Why the pulled tree `pulled` may not lie where it does, or None.
 
@@ -96,7 +85,7 @@ def overlap_problem(pulled: Path, hello: pb.HelloResponse) -> str | None:
     if hello.state_dir:
         theirs.append((hello.state_dir, "state directory"))
     for url, role in ((hello.durable_root, "durable root"), (hello.durable_url, "durable store")):
-        local = file_url_path(url)
+        local = local_dir(url)
         if local is not None:
             theirs.append((os.fspath(local), role))
     resolved = [(resolve_loose(raw), role) for raw, role in theirs]

@@ -192,18 +192,21 @@ async def ensure_venv(
     *,
     box_index: str | None = None,
     progress: Any = None,
+    extras: tuple[str, ...] = (),
 ) -> str:
     """The box-side python of the sidecar's venv for this controller's wheelhouse (or, with
     `box_index`, for the sidecar wheel and the box's own index), installed if the box does not have
-    it yet."""
+    it yet. `extras`: the sidecar's optional extras the box needs (wheelhouse.EXTRAS)."""
+    extras = tuple(sorted(set(extras)))
     if box_index:
         # The sidecar wheel from here, its dependencies from the box's own index.
         wheel = wheelhouse.sidecar_wheel(cache_root / "sidecar-only")
-        digest = "index-" + blake3.blake3(wheel.read_bytes() + b"\0" + box_index.encode()).hexdigest()[:32]
+        tagged = wheel.read_bytes() + b"\0" + box_index.encode() + b"\0" + ",".join(extras).encode()
+        digest = "index-" + blake3.blake3(tagged).hexdigest()[:32]
         files, pip_wheel = [wheel], ""
     else:
         plat = wheelhouse.BoxPlatform.from_probe(p.platform)
-        house = wheelhouse.build(plat, cache_root, progress=progress)
+        house = wheelhouse.build(plat, cache_root, progress=progress, extras=extras)
         digest, pip_wheel = house.digest, house.pip_wheel
         files = [house.dir / name for name in house.wheels]
     venv_python = f"{p.root}/venvs/{digest}/bin/python"
@@ -212,7 +215,7 @@ async def ensure_venv(
     check_room(p, dest, MIN_FREE_BYTES + sum(f.stat().st_size for f in files))
     logger.info("installing the sidecar's venv on %s (%d wheels)", dest, len(files))
     await conn.put(files, f"{p.root}/wheels/{digest}")
-    spec = f"boxwarden-sidecar=={__version__}"
+    spec = f"boxwarden-sidecar{'[' + ','.join(extras) + ']' if extras else ''}=={__version__}"
     argv = ["/bin/sh", "-c", INSTALL, "sh", p.root, digest, p.python, pip_wheel, box_index or "", spec]
     done = await conn.run(argv, timeout_s=900)
     if done.returncode != 0:

@@ -72,6 +72,7 @@ class Box:
     python: str = ""  # the box-side python of the sidecar's venv (absolute, on the box)
     last_contact_ns: int = 0  # when the sidecar last answered a command of this controller
     state_on_durable: bool = False  # the sidecar's state and venv live on the durable tier
+    durable_credentials: bool = False  # the sidecar reads its store's credentials from its state dir
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

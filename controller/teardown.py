@@ -249,7 +249,7 @@ async def teardown(
             )
         state.step(tearing, SHUTDOWN, f"pid {hello.pid}")
         await client.shutdown()
-        result.sidecar_gone = await wait_gone(box, conn, hello.pid, deadline_s=20.0)
+        result.sidecar_gone = await wait_gone(box, conn, hello.pid, deadline_s=20.0, forget_credentials=True)
         if not result.sidecar_gone:
             where = f" on {box.host}" if box.host else ""
             raise ControllerError(

@@ -55,6 +55,16 @@ SIDECAR_SCRIPT = "boxwarden-sidecar = sidecar.__main__:main"
 # Downloaded with the closure: the box may have no pip of its own (Debian without python3-venv).
 EXTRA_DOWNLOADS = ("pip",)
 
+# The sidecar's optional extras, by name: what a box needs only for some configurations (boto3 for
+# an s3:// durable store). A wheelhouse (and so a venv) with an extra is another one than without.
+EXTRAS: dict[str, tuple[str, ...]] = {"s3": ("boto3>=1.34",)}
+
+
+def _wanted(extras: tuple[str, ...]) -> tuple[str, ...]:
+    """What pip downloads for a wheelhouse with `extras` (sorted names, each in EXTRAS)."""
+    return (*SIDECAR_REQUIREMENTS, *(r for e in extras for r in EXTRAS[e]), *EXTRA_DOWNLOADS)
+
+
 SUPPORTED_PYTHONS = ("3.9", "3.10", "3.11", "3.12", "3.13")
 MIN_GLIBC_MINOR = 17
 MACHINES = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64", "arm64": "aarch64"}
@@ -134,17 +144,17 @@ def pip_platforms(p: BoxPlatform) -> list[str]:
     ]
 
 
-def _closure_prefix(p: BoxPlatform) -> str:
+def _closure_prefix(p: BoxPlatform, extras: tuple[str, ...] = ()) -> str:
     """The part of a cache key shared by every wheelhouse with the same dependency closure."""
-    wanted = "\n".join((*SIDECAR_REQUIREMENTS, *EXTRA_DOWNLOADS)).encode()
+    wanted = "\n".join(_wanted(extras)).encode()
     return f"{p.python_tag}-{p.machine}-glibc{p.glibc}-deps{blake3.blake3(wanted).hexdigest()[:8]}"
 
 
-def cache_key(p: BoxPlatform, version: str) -> str:
+def cache_key(p: BoxPlatform, version: str, extras: tuple[str, ...] = ()) -> str:
     """The cache directory name of the wheelhouse of sidecar `version` (any identity string) for `p`."""
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", version):
         raise ValueError(f"not a usable version for a cache key: {version!r}")
-    return f"{_closure_prefix(p)}-{version}"
+    return f"{_closure_prefix(p, extras)}-{version}"
 
 
 def default_cache_root(env: Mapping[str, str]) -> Path:
@@ -208,6 +218,11 @@ def _dist_info(files: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         "Summary: The boxwarden on-box daemon, installed on a box by the boxwarden controller.",
         "Requires-Python: >=3.9",
         *(f"Requires-Dist: {req}" for req in SIDECAR_REQUIREMENTS),
+        *(
+            line
+            for e in sorted(EXTRAS)
+            for line in (f"Provides-Extra: {e}", *(f'Requires-Dist: {r}; extra == "{e}"' for r in EXTRAS[e]))
+        ),
     ]
     wheel = ["Wheel-Version: 1.0", "Generator: boxwarden", "Root-Is-Purelib: true", "Tag: py3-none-any"]
     meta = [
@@ -310,13 +325,13 @@ def _run_pip(args: list[str], p: BoxPlatform, index_url: str | None) -> None:
         raise ControllerError(f"{what}: pip exited with status {proc.returncode}; {DOWNLOAD_FIX}.\n{tail}")
 
 
-def resolve(p: BoxPlatform, *, index_url: str | None = None) -> dict[str, str]:
+def resolve(p: BoxPlatform, *, index_url: str | None = None, extras: tuple[str, ...] = ()) -> dict[str, str]:
     """The wheel file pip would choose for each distribution of the box's wheelhouse (by normalized
     name), from the index's metadata alone: no wheel is downloaded, nothing is cached."""
     with tempfile.TemporaryDirectory(prefix="boxwarden-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
-        _run_pip([*args, *_target_args(p), *SIDECAR_REQUIREMENTS, *EXTRA_DOWNLOADS], p, index_url)
+        _run_pip([*args, *_target_args(p), *_wanted(extras)], p, index_url)
         chosen = json.loads(report.read_text())["install"]
     found: dict[str, str] = {}
     for item in chosen:
@@ -355,10 +370,10 @@ def _load(path: Path, sidecar: str) -> Wheelhouse | None:
     return Wheelhouse(dir=path, wheels=wheels, pip_wheel=pips[0], sidecar_wheel=sidecar, digest=h.hexdigest())
 
 
-def _earlier(cache_root: Path, p: BoxPlatform) -> Path | None:
+def _earlier(cache_root: Path, p: BoxPlatform, extras: tuple[str, ...]) -> Path | None:
     """The newest complete wheelhouse with the same dependency closure, whatever its sidecar."""
     candidates = []
-    for d in cache_root.glob(_closure_prefix(p) + "-*"):
+    for d in cache_root.glob(_closure_prefix(p, extras) + "-*"):
         sidecars = [w.name for w in d.glob("boxwarden_sidecar-*.whl")]
         if len(sidecars) == 1 and _load(d, sidecars[0]) is not None:
             candidates.append((d.stat().st_mtime, d))
@@ -424,12 +439,19 @@ def build(
     *,
     index_url: str | None = None,
     progress: Callable[[str], None] | None = None,
+    extras: tuple[str, ...] = (),
 ) -> Wheelhouse:
     """The wheelhouse for `platform` under `cache_root`: the cached one when complete (no network),
-    else one built from the dependency wheels of an earlier one or downloaded with pip."""
+    else one built from the dependency wheels of an earlier one or downloaded with pip. `extras`:
+    names in EXTRAS whose requirements it holds too."""
     say = progress or (lambda _message: None)
+    unknown = sorted(set(extras) - set(EXTRAS))
+    if unknown:
+        raise ValueError(f"unknown sidecar extras: {unknown}")
+    extras = tuple(sorted(set(extras)))
     name, data = _sidecar_wheel_bytes()
-    final = cache_root / cache_key(platform, f"{__version__}-{blake3.blake3(data).hexdigest()[:16]}")
+    version = f"{__version__}-{blake3.blake3(data).hexdigest()[:16]}"
+    final = cache_root / cache_key(platform, version, extras)
     cached = _load(final, name)
     if cached is not None:
         say(f"using the cached wheelhouse for {platform}")
@@ -439,14 +461,14 @@ def build(
     tmp = cache_root / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
     tmp.mkdir()  # not mkdtemp: its mode 0700 would travel to the box with the directory
     try:
-        earlier = _earlier(cache_root, platform)
+        earlier = _earlier(cache_root, platform, extras)
         if earlier is not None:
             say(f"reusing the dependency wheels for {platform} from {earlier.name}")
             _link_dependencies(earlier, tmp)
         else:
             say(f"downloading the sidecar's dependencies for {platform}")
             args = ["download", "--progress-bar", "off", "--dest", str(tmp), *_target_args(platform)]
-            _run_pip([*args, *SIDECAR_REQUIREMENTS, *EXTRA_DOWNLOADS], platform, index_url)
+            _run_pip([*args, *_wanted(extras)], platform, index_url)
         (tmp / name).write_bytes(data)
         for path in [*tmp.iterdir(), tmp]:
             _fsync(path)

@@ -25,6 +25,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -221,23 +222,26 @@ def resolve(req: Request) -> Request:
     watch = [(expand(w) if expand(w).is_absolute() else workdir / w).resolve() for w in req["watch"]]
     for w in watch:
         check_dir_target(w, "--watch")
-    ddir = expand(req["durable"])
-    if not ddir.is_absolute():
+    # "" : the durable store is not a directory of the box (an object store): nothing to resolve.
+    ddir = expand(req["durable"]) if req["durable"] else None
+    if ddir is not None and not ddir.is_absolute():
         raise usage(f"the durable path {req['durable']} is not absolute; give file:///absolute/dir")
     state_dir = expand(req["state_dir"])
-    for path, what in [(workdir, "--workdir"), *((w, "--watch") for w in watch), (ddir, "--durable")]:
+    dirs = [(workdir, "--workdir"), *((w, "--watch") for w in watch)]
+    for path, what in [*dirs, *([(ddir, "--durable")] if ddir is not None else [])]:
         check_real_filesystem(path, what)
-    durable_apart(ddir, watch, state_dir)
+    if ddir is not None:
+        durable_apart(ddir, watch, state_dir)
     home = os.path.expanduser("~")
     tiers = {t: os.path.realpath(os.path.expanduser(t)) for t in req.get("tiers", ())}
     return {
         "workdir": str(workdir),
         "watch": [str(w) for w in watch],
-        "durable": str(resolve_loose(ddir)),
+        "durable": str(resolve_loose(ddir)) if ddir is not None else "",
         "state_dir": str(resolve_loose(state_dir)),
         "home": home,
         "tiers": tiers,
-        "real": {str(p): os.path.realpath(p) for p in [*watch, ddir]},
+        "real": {str(p): os.path.realpath(p) for p in [*watch, *([ddir] if ddir is not None else [])]},
     }
 
 
@@ -366,18 +370,19 @@ def _answers(sock: Path) -> bool:
 def start(req: Request) -> Request:
     """Create the dirs, check the durable dir, then start the sidecar unless one holds the state dir."""
     cfg = req["config"]
-    ddir = Path(req["durable_dir"])
-    prepare_durable(ddir, own_default=bool(req.get("own_default")))
+    ddir = Path(req["durable_dir"]) if req["durable_dir"] else None  # None: an object store
+    if ddir is not None:
+        prepare_durable(ddir, own_default=bool(req.get("own_default")))
     for w in cfg["watchDirs"]:
         try:
             Path(w).mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise usage(f"cannot create the watched directory {w}: {e.strerror}") from e
-    checks = set(req.get("checks", ()))
+    checks = set(req.get("checks", ())) if ddir is not None else set()
     findings = []
-    if "durable_writable" in checks:
+    if ddir is not None and "durable_writable" in checks:
         findings.append(durable_writable(ddir))
-    if "inode_headroom" in checks:
+    if ddir is not None and "inode_headroom" in checks:
         findings.append(inode_headroom(ddir, int(req.get("inode_min_free", 0)), req.get("inode_cap")))
     errors = [f["message"] for f in findings if f["level"] == "error"]
     if errors:
@@ -390,6 +395,14 @@ def start(req: Request) -> Request:
         return {"findings": findings}
     cfg_path = Path(req["config_path"])
     log_path = Path(req["log_path"])
+    creds = cfg.get("durableCredentialsFile")
+    if creds and "durable_credentials" in req:
+        Path(creds).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _write_private(Path(creds), str(req["durable_credentials"]).encode())
+    elif creds and not os.path.lexists(creds):
+        raise usage(
+            f"the durable store's credentials are gone from {creds}; give --durable-credentials FILE again"
+        )
     _write_private(cfg_path, json.dumps(cfg, indent=2).encode())
     log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -430,10 +443,10 @@ def _pid_alive(pid: int) -> bool:
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            proc_stat = f.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2 :].split()[0] != b"Z"
+    return proc_stat[proc_stat.rfind(b")") + 2 :].split()[0] != b"Z"
 
 
 def _stop(pid: int) -> bool:
@@ -457,7 +470,16 @@ def gone(req: Request) -> Request:
     state_dir = Path(req["state_dir"])
     pid = int(req.get("pid", 0))
     held = holder(state_dir)
-    return {"gone": held is None and not _pid_alive(pid), "holder": held}
+    is_gone = held is None and not _pid_alive(pid)
+    forget = Path(req.get("forget") or "")
+    if is_gone and forget.parent == state_dir and forget.name:
+        # The teardown's last look: the store's credentials leave the box with the sidecar.
+        try:
+            if stat.S_ISREG(os.lstat(forget).st_mode):
+                os.unlink(forget)
+        except FileNotFoundError:
+            pass
+    return {"gone": is_gone, "holder": held}
 
 
 def stop(req: Request) -> Request:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ import pytest
 from controller.ssh.argv import Destination
 from tests.conftest import REPO, Bw, exclusive, session_dir, wait_until
 from tests.controller.test_meter_stop import fake_profile
+from tests.s3server import SECRET, S3Server, write_credentials
 from tests.sshbox import Box, SshBoxFactory
 
 FAKE = REPO / "tests" / "fake_provider.py"
@@ -572,3 +574,32 @@ def test_state_on_durable_keeps_ledger_and_venv_on_the_durable_tier(remote: Remo
     assert again["started"] is False and again["pid"] == first["pid"]
     r = remote.bw("up", "sd2", "--profile", "local", "--state-on-durable", "--watch", "ckpt")
     assert r.returncode == 2 and "--state-on-durable goes with --host" in r.stderr
+
+
+def test_a_remote_box_proves_its_copies_in_a_bucket_with_credentials_kept_private(
+    remote: Remote, s3: S3Server, tmp_path: Path
+) -> None:
+    box = remote.boxes("s1")
+    bucket = s3.bucket()
+    creds = write_credentials(tmp_path / "creds")
+    # A venv with the s3 extra (boto3): installed for real from a wheelhouse that holds it.
+    remote.up(box, "--durable", s3.url(bucket, "ckpts"), "--durable-credentials", str(creds))
+    write_as_box(box, "ckpt/a.bin", "weights")
+    (claim,) = remote.bw.wait_durable(box.alias, 1, timeout=60)["claims"]
+    listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=f"ckpts/{box.alias}/")["Contents"]
+    (obj,) = [o for o in listed if "/.boxwarden-" not in o["Key"]]  # not the store's id and owner
+    assert obj["Key"].endswith("/a.bin") and claim["path"] == "a.bin"
+    assert s3.client().get_object(Bucket=bucket, Key=obj["Key"])["Body"].read() == b"weights"
+    on_box = box.home / ".boxwarden" / "boxes" / box.alias / "sidecar" / "durable-credentials"
+    st = on_box.stat()
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (box.uid, 0o600)
+    for p in (box.home / ".boxwarden").rglob("*"):  # config, logs, ledger: never the secret
+        if p.is_file() and not p.is_symlink() and p != on_box and "venvs" not in p.parts:
+            assert SECRET.encode() not in p.read_bytes(), p
+    pulled = remote.bw.cwd / "pulled"
+    remote.bw.ok("pull", box.alias, "--to", str(pulled))
+    remote.bw.ok("verify", str(pulled))
+    doc = remote.bw.json("down", box.alias, "--confirm", box.alias)
+    assert doc["allowed"] is True and doc["teardown"]["deleted"] == ["a.bin"]
+    assert not (box.home / "ckpt" / "a.bin").exists()  # released: its copy is proven in the bucket
+    assert not on_box.exists()  # the credentials left the box with its sidecar

@@ -215,9 +215,11 @@ def test_urls_and_part_sizes(tmp_path: Path) -> None:
         ("s3://bkt/p?addressing_style=odd", "addressing_style"),
         ("s3:///p", "expected s3://BUCKET"),
         ("s3://bkt/a/../b", "'.' or '..'"),
+        (f"s3://{KEY_ID}:{SECRET}@bkt/p", "credentials never go in the URL"),  # the secret holds a '/'
     ):
-        with pytest.raises(ConfigError, match=why):
+        with pytest.raises(ConfigError, match=why) as e:
             open_store(url)
+        assert SECRET not in str(e.value)
     with pytest.raises(ConfigError, match="for s3:// stores"):
         open_store((tmp_path / "d").as_uri(), credentials=write_credentials(tmp_path / "creds"))
     assert part_size(0) == part_size(70 << 30) == 8 * MIB

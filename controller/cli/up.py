@@ -65,7 +65,18 @@ from controller.state import exclusive
     help="Checkpoint directory to watch (repeat).",
 )
 @click.option(
-    "--durable", metavar="URL", help="Durable storage URL (file:///dir). Default: the box's own dir."
+    "--durable",
+    metavar="URL",
+    help="Durable storage: file:///dir (on the box) or s3://BUCKET/PREFIX[?endpoint_url=URL&region=NAME"
+    "&addressing_style=path]. Default: the box's own dir.",
+)
+@click.option(
+    "--durable-credentials",
+    type=click.Path(path_type=Path, dir_okay=False),
+    metavar="FILE",
+    help="For s3://: a credentials file ([default] aws_access_key_id, aws_secret_access_key, "
+    "aws_session_token; mode 0600), kept 0600 in the sidecar's state dir on the box. Default: the "
+    "box's own AWS sources.",
 )
 @click.option("--run-id", help="Immutable id of this run. Default: NAME-<timestamp>.")
 @click.option(
@@ -91,6 +102,7 @@ def command(
     workdir: str,
     watch: tuple[str, ...],
     durable: str | None,
+    durable_credentials: Path | None,
     run_id: str | None,
     roster: tuple[str, ...],
     exclude: tuple[str, ...],
@@ -121,6 +133,7 @@ def command(
                 ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
                 box_index=box_index,
                 state_on_durable=state_on_durable,
+                durable_credentials=durable_credentials,
             )
         )
     if as_json:

@@ -154,8 +154,10 @@ class S3Store:
     def from_url(cls, url: str, scope: tuple[str, ...] = (), credentials: Path | None = None) -> S3Store:
         parts = urlsplit(url)
         bucket = parts.netloc
-        if not bucket or parts.fragment or "@" in bucket or ":" in bucket:
-            raise ConfigError(f"durable URL {url!r}: expected s3://BUCKET/PREFIX (no user, port or fragment)")
+        if "@" in url or ":" in bucket:  # may carry a key and secret: never echoed
+            raise ConfigError("durable URL s3://…: credentials never go in the URL; give a credentials file")
+        if not bucket or parts.fragment:
+            raise ConfigError(f"durable URL {url!r}: expected s3://BUCKET/PREFIX (no fragment)")
         query = dict(parse_qsl(parts.query, keep_blank_values=True))
         unknown = sorted(set(query) - set(QUERY_KEYS))
         if unknown:
@@ -211,6 +213,16 @@ class S3Store:
             raise StorageError(f"{doing} s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
 
     def _reason(self, exc: BaseException) -> str:
+        name = type(exc).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError"):
+            return (
+                f"{name}: no usable credentials; give `up --durable-credentials FILE`, or set up AWS "
+                "credentials for the box's user"
+            )
+        if name in ("EndpointConnectionError", "ConnectTimeoutError"):
+            return (
+                f"{name}: the S3 endpoint cannot be reached from the box; check endpoint_url and the network"
+            )
         if isinstance(exc, self._client_error):
             err = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")

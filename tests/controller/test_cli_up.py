@@ -28,11 +28,20 @@ def test_unsafe_box_name_is_refused_before_anything_runs(bw: Bw) -> None:
     assert not bw.sidecar_pids()
 
 
-def test_unknown_profile_and_remote_durable_are_usage_errors(bw: Bw) -> None:
+def test_unknown_profile_and_durable_scheme_are_usage_errors(bw: Bw) -> None:
     r = bw("up", "b1", "--profile", "nope", "--watch", "ckpt")
     assert r.returncode == 2 and "unknown profile" in r.stderr
-    r = bw("up", "b1", "--profile", "local", "--watch", "ckpt", "--durable", "s3://bucket/x")
-    assert r.returncode == 2 and "file:///" in r.stderr
+    r = bw("up", "b1", "--profile", "local", "--watch", "ckpt", "--durable", "gs://bucket/x")
+    assert r.returncode == 2 and "file:///absolute/dir and s3://" in r.stderr
+
+
+def test_a_bucket_without_credentials_says_how_to_give_them(bw: Bw) -> None:
+    bw.env = {k: v for k, v in bw.env.items() if not k.startswith("AWS_")}
+    bw.env["AWS_EC2_METADATA_DISABLED"] = "true"  # no instance metadata service to ask here
+    endpoint = "endpoint_url=http://127.0.0.1:9"
+    r = bw("up", "b1", "--profile", "local", "--watch", "ckpt", "--durable", f"s3://bucket/x?{endpoint}")
+    assert r.returncode == 1 and "--durable-credentials FILE" in r.stderr, r.stderr
+    assert not bw.sidecar_pids()
 
 
 def test_a_sidecar_that_cannot_start_shows_its_log(bw: Bw) -> None:

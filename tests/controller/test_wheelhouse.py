@@ -36,6 +36,7 @@ from controller import __version__
 from controller.errors import ControllerError
 from controller.wheelhouse import (
     BOX_NEEDS,
+    EXTRAS,
     PROBE_SCRIPT,
     SIDECAR_REQUIREMENTS,
     BoxPlatform,
@@ -64,6 +65,7 @@ GOOD_PROBE = {
     "gil_disabled": False,
 }
 WANTED = {canonicalize_name(Requirement(r).name) for r in SIDECAR_REQUIREMENTS} | {"pip"}
+S3_WANTED = WANTED | {canonicalize_name(Requirement(r).name) for r in EXTRAS["s3"]}
 
 
 def clean_env() -> dict[str, str]:
@@ -206,7 +208,9 @@ def test_the_sidecar_wheel_carries_the_sources_and_correct_metadata(tmp_path: Pa
     assert metadata["Name"] == "boxwarden-sidecar"
     assert metadata["Version"] == __version__
     assert metadata["Requires-Python"] == ">=3.9"
-    assert metadata.get_all("Requires-Dist") == list(SIDECAR_REQUIREMENTS)
+    extra = [f'{r}; extra == "{e}"' for e in sorted(EXTRAS) for r in EXTRAS[e]]
+    assert metadata.get_all("Requires-Dist") == [*SIDECAR_REQUIREMENTS, *extra]
+    assert metadata.get_all("Provides-Extra") == sorted(EXTRAS) == ["s3"]
     wheel = HeaderParser().parsestr(entries[f"{info}/WHEEL"].decode())
     assert (wheel["Root-Is-Purelib"], wheel["Tag"]) == ("true", "py3-none-any")
     scripts = configparser.ConfigParser()
@@ -314,9 +318,10 @@ EDGES = [BoxPlatform(py, machine, "2.17") for py in ("3.9", "3.13") for machine 
 
 @pytest.fixture(scope="module")
 def resolutions() -> Iterator[dict[BoxPlatform, Future[dict[str, str]]]]:
-    """All four resolved at once (metadata only): each is a few seconds of waiting on the index."""
+    """All four resolved at once (metadata only): each is a few seconds of waiting on the index.
+    With the s3 extra (boto3): the largest closure a box may need, so the others are in it."""
     with ThreadPoolExecutor(len(EDGES)) as pool:
-        yield {p: pool.submit(resolve, p) for p in EDGES}
+        yield {p: pool.submit(resolve, p, extras=("s3",)) for p in EDGES}
 
 
 def supported_tags(p: BoxPlatform) -> set[Tag]:
@@ -332,12 +337,12 @@ def test_the_closure_resolves_to_binary_wheels(
     box: BoxPlatform, resolutions: dict[BoxPlatform, Future[dict[str, str]]]
 ) -> None:
     chosen = resolutions[box].result()  # a requirement that stopped resolving raises here, with pip's words
-    assert set(chosen) >= WANTED
+    assert set(chosen) >= S3_WANTED
     tags = supported_tags(box)
     for name, wheel in chosen.items():
         dist, version, _, wheel_tags = parse_wheel_filename(wheel)
         assert canonicalize_name(dist) == name
         assert wheel_tags & tags, f"{wheel} does not run on {box}"
-        for req in map(Requirement, SIDECAR_REQUIREMENTS):
+        for req in map(Requirement, (*SIDECAR_REQUIREMENTS, *EXTRAS["s3"])):
             if canonicalize_name(req.name) == name:
                 assert version in req.specifier, f"{wheel} does not satisfy {req}"
