@@ -411,9 +411,8 @@ def _same_claims(
         )
     kept_dir = durable_url.parse(live.durable).dir
     kept = str(kept_dir) if kept_dir is not None else live.durable
-    if (
-        kept_dir is not None and not live.host
-    ):  # a record of an earlier version may hold the path as it was given
+    # A record of an earlier version may hold a local box's path as it was given.
+    if kept_dir is not None and not live.host:
         kept = os.path.realpath(kept)
     if ddir != kept:  # both resolved on the box: the same dir, however spelled
         raise UsageError(
