@@ -18,6 +18,7 @@ filesystems without a disk of their own are new, records afresh.
 from __future__ import annotations
 
 import os
+import select
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -35,6 +36,57 @@ def read(mountinfo: str = MOUNTINFO) -> Mounts | None:
             data = f.read()
     except OSError:
         return None
+    return parse(data)
+
+
+class Watch:
+    """This process's mount table, kept open so that a change is seen without reading it again:
+    the kernel marks /proc/self/mountinfo for poll() (POLLPRI) when a mount comes or goes, and
+    reading it clears the mark. A walk asks `changed()` (one syscall) before it looks at each
+    directory, so that a mount made after the walk began is not entered either: a network or FUSE
+    mount that stopped answering hangs whoever looks at it. Without mountinfo, nothing changes."""
+
+    def __init__(self, mountinfo: str = MOUNTINFO) -> None:
+        self._poll = select.poll()
+        try:
+            self._fd: int | None = os.open(mountinfo, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = None
+        else:
+            self._poll.register(self._fd, select.POLLPRI | select.POLLERR)
+
+    def read(self) -> Mounts | None:
+        if self._fd is None:
+            return None
+        chunks = []
+        try:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            while True:
+                chunk = os.read(self._fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except OSError:
+            return None
+        return parse(b"".join(chunks))
+
+    def changed(self) -> bool:
+        return self._fd is not None and bool(self._poll.poll(0))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def parse(data: bytes) -> Mounts:
+    """The mount points of a mountinfo text, and the mounts stacked at each."""
     points: Mounts = {}
     for line in data.splitlines():
         fields = line.split(b" ", 5)

@@ -230,9 +230,23 @@ class ArtifactNamer:
         Regular files get their kind; a symlink, a special file, a directory that cannot be listed
         (EACCES, EIO) or a path too long to open is reported as unclaimable with the reason. No
         symlink is followed."""
+        with mounts.Watch() as table:
+            return self._walk_all(table)
+
+    def _walk_all(self, table: mounts.Watch) -> list[Entry]:
         out: list[Entry] = []
         inner: set[str] = set()  # mount points inside a watched dir: reported, never entered
-        points = mounts.read()
+        points = table.read()
+
+        def more_mounts() -> None:
+            """Mount points under a watched dir not seen yet (made since `points` was read)."""
+            for root in self._roots:
+                for point in mounts.inside(root, points):
+                    if point not in inner:
+                        inner.add(point)
+                        if Path(point) not in self._roots:  # a watched dir of its own is walked as one
+                            out.append(self._problem(Path(point), _MOUNT_INSIDE))
+
         now = mounts.signatures(self._roots, points) if self._signatures else {}
         for root in self._roots:
             then = self._signatures.get(root)
@@ -245,10 +259,7 @@ class ArtifactNamer:
                         "holds is hidden from every check: put the mounts back as they were",
                     )
                 )
-            for point in mounts.inside(root, points):
-                inner.add(point)
-                if Path(point) not in self._roots:  # a watched dir of its own is walked as one
-                    out.append(self._problem(Path(point), _MOUNT_INSIDE))
+        more_mounts()
         for root in self._roots:
             # Each directory travels with its artifact-path prefix: 100,000 files cost 5 s when each
             # one's artifact path was derived from its Path (relative_to) instead.
@@ -278,6 +289,11 @@ class ArtifactNamer:
                     )
                     continue
                 for e in entries:
+                    # d_type, no syscall: a directory may have become a mount point since the
+                    # table was read (the kernel flags the change); read it again before looking.
+                    if e.is_dir(follow_symlinks=False) and table.changed():
+                        points = table.read()
+                        more_mounts()
                     if e.path in inner:
                         # Not even looked at: a network or FUSE mount that stopped answering would
                         # hang the walk (and every listing with it) in the kernel.

@@ -3,11 +3,14 @@ mountinfo written here), and the mount points inside a watched dir."""
 
 from __future__ import annotations
 
+import subprocess
+import threading
 from pathlib import Path
 
 import pytest
 
 from sidecar import mounts
+from sidecar.paths import ArtifactNamer, Entry
 
 LINE = "{id} 1 0:{dev} {root} {point} rw,relatime shared:1 - ext4 /dev/vda rw\n"
 
@@ -95,3 +98,59 @@ def test_fs_path_places_a_path_within_its_filesystem_through_the_top_mount() -> 
     assert mounts.fs_path("/stacked/z", points) == ("8:2", "/b/z")
     assert mounts.fs_path("/", points) == ("8:1", "/")
     assert mounts.fs_path("relative", points) is None
+
+
+def test_the_mount_table_says_when_a_mount_comes_or_goes(tmp_path: Path) -> None:
+    point = tmp_path / "mnt"
+    point.mkdir()
+    with mounts.Watch() as table:
+        before = table.read()
+        assert before is not None and str(point) not in before and not table.changed()
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(point)], check=True)
+        try:
+            assert table.changed()
+            after = table.read()
+            assert after is not None and str(point) in after
+            assert not table.changed()  # reading it clears the mark
+        finally:
+            subprocess.run(["umount", str(point)], check=True)
+        assert table.changed()
+
+
+class StaleFirst(mounts.Watch):
+    """A table whose first read is a snapshot from before a mount: the walk began, then the mount
+    came (the race a loaded box loses: a directory made, then mounted, then walked)."""
+
+    def __init__(self, stale: mounts.Mounts | None) -> None:
+        super().__init__()
+        self._stale: mounts.Mounts | None = stale
+        self._first = True
+
+    def read(self) -> mounts.Mounts | None:
+        if self._first:
+            self._first = False
+            return self._stale
+        return super().read()
+
+
+def test_a_mount_made_after_the_walk_began_is_reported_never_entered(tmp_path: Path) -> None:
+    from tests.test_review7_e2e import dead_fuse
+
+    watch = tmp_path / "watch"
+    (watch / "remote").mkdir(parents=True)
+    (watch / "a.bin").write_bytes(b"a")
+    namer = ArtifactNamer((watch,))
+    table = StaleFirst(mounts.read())  # opened, and read, before the mount
+    found: list[list[Entry]] = []
+    with dead_fuse(watch / "remote"):  # every look inside blocks until the fuse fd is closed
+        walker = threading.Thread(target=lambda: found.append(namer._walk_all(table)), daemon=True)
+        walker.start()
+        walker.join(timeout=20)
+        entered = walker.is_alive()
+    walker.join(timeout=20)  # the dead mount is gone: a walk stuck in it returns now
+    table.close()
+    assert not entered, "the walk looked inside a mount made after it began, and hung there"
+    (entries,) = found
+    by_path = {e.where: e for e in entries}
+    assert by_path[str(watch / "a.bin")].kind == "artifact"
+    assert "a mount point inside a watched dir" in by_path[str(watch / "remote")].why
