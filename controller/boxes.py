@@ -158,12 +158,12 @@ async def up(
         raise UsageError(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
         )
-    if durable is not None:
-        durable_url.parse(durable)
+    # The durable store the box will keep: a bucket, or a directory (None: the default directory).
+    target = durable if durable is not None else (live.durable if live is not None else None)
+    bucket = target is not None and not durable_url.parse(target).is_dir
     credentials = None
     if durable_credentials is not None:
-        target = durable or (live.durable if live is not None else "")
-        if not target or durable_url.parse(target).is_dir:
+        if not bucket:
             raise UsageError(
                 "--durable-credentials goes with an s3:// --durable URL (a directory needs none)"
             )
@@ -196,9 +196,7 @@ async def up(
     conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
     try:
         on_durable = state_on_durable or (live is not None and live.state_on_durable)
-        target = spec.durable or (live.durable if live is not None else "")
-        # A bucket: the sidecar's venv there needs boto3 (a directory, or the default, needs none).
-        extras = ("s3",) if target and not durable_url.parse(target).is_dir else ()
+        extras = ("s3",) if bucket else ()  # the sidecar's venv there needs boto3 for a bucket
         where, default_url = await _remote_where(
             state, name, conn, host, prof, box_dir, box_index, on_durable, extras
         )

@@ -51,10 +51,10 @@ def parse(url: str) -> Durable:
         # hold '/', so that the parser takes part of them for the path). Never echo it.
         if "@" in url or ":" in u.netloc:
             raise UsageError(
-                "durable URL s3://…: credentials never go in the URL (and no bucket name holds '@' or ':') "
-                "(status and the box's config show it); give them with --durable-credentials FILE"
+                "durable URL s3://…: credentials never go in the URL (status and the box's config show it; "
+                "no bucket name holds '@' or ':'); give them with --durable-credentials FILE"
             )
-        if not u.hostname or ":" in u.netloc or u.fragment:
+        if not u.hostname or u.fragment:
             raise UsageError(f"durable URL {url!r}: give s3://BUCKET/PREFIX[?endpoint_url=URL&region=NAME]")
         names = [p for p in unquote(u.path).split("/") if p]
         if any(p in (".", "..") for p in names):

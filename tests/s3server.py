@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -17,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.sshbox import free_port
 
 MOTO = Path(sys.executable).with_name("moto_server")
 # Any keys do for moto; these stand for the user's, and no test output may ever show them.
@@ -59,12 +60,6 @@ def write_credentials(path: Path) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _answers(endpoint: str) -> bool:
     try:
         with urllib.request.urlopen(endpoint + "/moto-api/", timeout=2):
@@ -77,7 +72,7 @@ def _answers(endpoint: str) -> bool:
 def running_s3(log: Path) -> Iterator[S3Server]:
     from tests.conftest import wait_until  # conftest imports this module: not at the top
 
-    port = _free_port()
+    port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     with open(log, "ab") as out:
         proc = subprocess.Popen(

@@ -190,7 +190,7 @@ def _wait_popen(proc: subprocess.Popen[bytes], limit: float) -> None:
 # ------------------------------------------------------------------ sshd
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -283,7 +283,7 @@ def _start_sshd(d: Path, private: Path, attempts: int = 5) -> tuple[subprocess.P
     log = d / "sshd.log"
     failures: list[str] = []
     for attempt in range(attempts):
-        port = _free_port()
+        port = free_port()
         cfg.write_text(_sshd_config(d, private, port))
         if log.exists():
             log.rename(d / f"sshd.log.attempt{attempt}")

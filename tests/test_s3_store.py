@@ -13,7 +13,6 @@ import os
 import random
 import re
 import signal
-import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,8 @@ from sidecar.storage.s3 import MAX_PARTS, S3Store, part_size, read_credentials
 from tests.conftest import save_ckpt
 from tests.s3server import KEY_ID, SECRET, S3Server, write_credentials
 from tests.sidecar.daemon import make_daemon, running, short_dir
+from tests.sidecar.test_crash import durable_claims
+from tests.sidecar.test_storage import write_random
 
 MIB = 1 << 20
 
@@ -61,16 +62,11 @@ def uploads(s3: S3Server, bucket: str) -> list[str]:
     return sorted(u["Key"] for u in s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
 
-def random_file(path: Path, size: int) -> Path:
-    path.write_bytes(os.urandom(size))
-    return path
-
-
 @pytest.mark.parametrize("size", [0, 1, 8 * MIB, 20 * MIB + 3])
 def test_a_copy_is_invisible_until_commit_then_proven_by_a_full_reread(
     s3: S3Server, bucket: str, store: S3Store, tmp_path: Path, size: int
 ) -> None:
-    src = random_file(tmp_path / "ckpt.bin", size)
+    src = write_random(tmp_path / "ckpt.bin", size)
     staged = store.stage(src, "cell-a/ckpt.bin")
     assert (staged.size, staged.digest) == (size, blake3.blake3(src.read_bytes()).hexdigest())
     assert keys(s3, bucket) == [] and not store.exists("cell-a/ckpt.bin")
@@ -87,7 +83,7 @@ def test_a_copy_is_invisible_until_commit_then_proven_by_a_full_reread(
 def test_an_object_overwritten_behind_the_stores_back_fails_the_proof(
     s3: S3Server, bucket: str, store: S3Store, tmp_path: Path
 ) -> None:
-    src = random_file(tmp_path / "ckpt.bin", 3 * MIB)
+    src = write_random(tmp_path / "ckpt.bin", 3 * MIB)
     staged = store.stage(src, "ckpt.bin")
     store.commit(staged)
     key = "durable/box1/run1/ckpt.bin"
@@ -102,7 +98,7 @@ def test_an_object_overwritten_behind_the_stores_back_fails_the_proof(
 def test_discard_and_a_changed_source_leave_no_upload(
     s3: S3Server, bucket: str, store: S3Store, tmp_path: Path
 ) -> None:
-    src = random_file(tmp_path / "ckpt.bin", 10 * MIB)
+    src = write_random(tmp_path / "ckpt.bin", 10 * MIB)
     store.discard(store.stage(src, "a.bin"))
     assert uploads(s3, bucket) == [] and keys(s3, bucket) == []
 
@@ -119,7 +115,7 @@ def test_discard_and_a_changed_source_leave_no_upload(
 def test_uploads_left_by_a_crash_are_aborted_at_start_and_only_ours(
     s3: S3Server, bucket: str, store: S3Store, tmp_path: Path
 ) -> None:
-    src = random_file(tmp_path / "ckpt.bin", 2 * MIB)
+    src = write_random(tmp_path / "ckpt.bin", 2 * MIB)
     store.stage(src, "a.bin")  # staged, never committed: the sidecar was killed
     store.stage(src, "b.bin")
     stranger = s3.client().create_multipart_upload(Bucket=bucket, Key="elsewhere/x.bin")
@@ -159,12 +155,12 @@ def test_the_store_id_and_owner_are_written_once(
 def test_an_old_copy_is_kept_aside_never_deleted(
     s3: S3Server, bucket: str, store: S3Store, tmp_path: Path
 ) -> None:
-    old = random_file(tmp_path / "old.bin", MIB)
+    old = write_random(tmp_path / "old.bin", MIB)
     store.commit(store.stage(old, "cell-a/best.bin"))
     where = store.keep_aside("cell-a/best.bin", "retired-7")
     assert where == ".boxwarden-attic/retired-7/cell-a/best.bin"
     assert store.keep_aside("cell-a/best.bin", "retired-7") == where  # again: where it already lies
-    new = random_file(tmp_path / "new.bin", MIB)
+    new = write_random(tmp_path / "new.bin", MIB)
     staged = store.stage(new, "cell-a/best.bin")
     store.commit(staged)
     got = s3.client().get_object(Bucket=bucket, Key=f"durable/box1/run1/{where}")["Body"].read()
@@ -184,7 +180,7 @@ def test_s3_failures_are_storage_errors_that_name_the_object_and_never_the_secre
     missing = open_store(s3.url("no-such-bucket-bwt"), ("b", "r"), credentials=creds)
     try:
         with pytest.raises(StorageError, match="NoSuchBucket") as e:
-            missing.stage(random_file(tmp_path / "x.bin", 10), "x.bin")
+            missing.stage(write_random(tmp_path / "x.bin", 10), "x.bin")
         assert "s3://no-such-bucket-bwt/durable/b/r/x.bin" in str(e.value)
     finally:
         missing.close()
@@ -294,15 +290,8 @@ def test_kill9_while_pushing_to_a_bucket_never_leaves_a_false_durable_claim_nor_
     creds = write_credentials(tmp_path / "creds")
     payload = os.urandom(20 * MIB)  # three parts
 
-    def durable_rows() -> list[tuple[str, str]]:
-        db = sqlite3.connect(f"file:{d.state / 'ledger.sqlite'}?mode=ro", uri=True)
-        try:
-            return list(db.execute("SELECT path, blake3 FROM claims WHERE current = 1 AND durable = 1"))
-        finally:
-            db.close()
-
     def no_false_durable() -> int:
-        rows = durable_rows()
+        rows = durable_claims(d.state / "ledger.sqlite")
         for path, digest in rows:
             body = s3.client().get_object(Bucket=bucket, Key=f"durable/t1/default/{path}")["Body"].read()
             assert blake3.blake3(body).hexdigest() == digest, f"{path} is claimed durable with other bytes"

@@ -167,6 +167,14 @@ def split_rel(rel: str) -> tuple[str, ...]:
     return parts
 
 
+def check_scope(url: str, scope: tuple[str, ...]) -> None:
+    """Each part of a store's scope (a box's name, a run id) names one directory (or key prefix)
+    under the durable URL: ConfigError for one that would name none, or another place."""
+    for part in scope:
+        if not part or part in (".", "..") or "/" in part or "\x00" in part:
+            raise ConfigError(f"durable URL {url!r}: {part!r} cannot name a directory in it")
+
+
 def open_source(src: Path) -> tuple[FileIdentity, int]:
     """Open a sealed artifact for stage's single read pass; returns its identity and a read fd.
 

@@ -37,6 +37,7 @@ from sidecar.storage import (
     TMP_DIRNAME,
     Progress,
     StagedCopy,
+    check_scope,
     check_source_unchanged,
     open_source,
     split_rel,
@@ -169,9 +170,7 @@ class LocalStore:
         base = root.resolve(strict=True)
         if not scope:
             return cls(base, url=url)
-        for part in scope:
-            if not part or part in (".", "..") or "/" in part or "\x00" in part:
-                raise ConfigError(f"durable URL {url!r}: {part!r} cannot name a directory in it")
+        check_scope(url, scope)
         try:
             dir_fds, _ = walk_dirs(base, scope, create=True)
         except (StorageError, UnsafePathError) as exc:

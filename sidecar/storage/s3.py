@@ -45,6 +45,7 @@ from sidecar.storage import (
     OWNER_NAME,
     Progress,
     StagedCopy,
+    check_scope,
     check_source_unchanged,
     open_source,
     split_rel,
@@ -54,7 +55,6 @@ from sidecar.storage.copier import BUFFERS, single_pass
 logger = logging.getLogger(__name__)
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one upload
-MIN_PART = 5 << 20  # S3's smallest part but the last
 MAX_COPY = 5 << 30  # the largest object one CopyObject may copy; larger ones are copied by parts
 READ_CHUNK = 8 << 20
 QUERY_KEYS = ("endpoint_url", "region", "addressing_style")
@@ -167,9 +167,7 @@ class S3Store:
         style = query.get("addressing_style", "auto")
         if style not in ("path", "virtual", "auto"):
             raise ConfigError(f"durable URL {url!r}: addressing_style must be path, virtual or auto")
-        for part in scope:
-            if not part or part in (".", "..") or "/" in part or "\x00" in part:
-                raise ConfigError(f"durable URL {url!r}: {part!r} cannot name a directory in it")
+        check_scope(url, scope)
         names = [p for p in unquote(parts.path).split("/") if p]
         if any(p in (".", "..") for p in names):
             raise ConfigError(f"durable URL {url!r}: the prefix may not hold '.' or '..'")
