@@ -183,6 +183,8 @@ class SidecarConfig(_message.Message):
     RESCAN_MS_FIELD_NUMBER: _builtins.int
     EXCLUDE_PATTERNS_FIELD_NUMBER: _builtins.int
     DURABLE_CREDENTIALS_FILE_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    DRAIN_GRACE_S_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -218,6 +220,16 @@ class SidecarConfig(_message.Message):
     regular file of the sidecar's user that no one else may read: mode 0600 or stricter), where
     `up --durable-credentials` puts them. Empty: the backend's standard sources on the box. The
     credentials themselves are never in this config, in argv, logs, events or status.
+    """
+    keep: _builtins.str
+    """Retention of box-side copies ("last=3", "best=metrics.json:loss", "every=10", comma-separated;
+    empty keeps everything). A claim no rule keeps has its box-side copy deleted once its durable
+    copy is proven (re-read) again just before; it stays a current claim, durable_only, served
+    from the durable store. Nothing is ever deleted from durable storage by a rule.
+    """
+    drain_grace_s: _builtins.int
+    """Seconds SIGTERM leaves to push what is not durable before the sidecar exits (the profile's
+    spot grace window). 0 means the default, 5.
     """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -256,10 +268,12 @@ class SidecarConfig(_message.Message):
         rescan_ms: _builtins.int = ...,
         exclude_patterns: _abc.Iterable[_builtins.str] | None = ...,
         durable_credentials_file: _builtins.str = ...,
+        keep: _builtins.str = ...,
+        drain_grace_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -369,6 +383,8 @@ class Claim(_message.Message):
     DURABLE_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
     PUSH_ERROR_FIELD_NUMBER: _builtins.int
     PROVEN_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    PROOF_FIELD_NUMBER: _builtins.int
+    DURABLE_ONLY_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Artifact path (see PATHS above)."""
     size: _builtins.int
@@ -389,6 +405,15 @@ class Claim(_message.Message):
     """When the durable copy was last re-read from the device and hashed equal (at push, or again at
     a release), Unix time in nanoseconds; 0 if never.
     """
+    proof: _builtins.str
+    """How the durable copy was proven: "reread" (read back whole and hashed equal to the claim) or
+    "server-checksum" (the store's full-object checksum equals the one computed while uploading;
+    S3 with ?proof=server-checksum: cheaper, weaker). Empty when not durable.
+    """
+    durable_only: _builtins.bool
+    """The box-side copy was deleted by retention (SidecarConfig.keep) after its durable copy was
+    proven: the claim stays current, ReadArtifact serves its bytes from the durable store.
+    """
     def __init__(
         self,
         *,
@@ -401,10 +426,12 @@ class Claim(_message.Message):
         durable_at_unix_ns: _builtins.int = ...,
         push_error: _builtins.str = ...,
         proven_at_unix_ns: _builtins.int = ...,
+        proof: _builtins.str = ...,
+        durable_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blake3", b"blake3", "durable", b"durable", "durable_at_unix_ns", b"durable_at_unix_ns", "path", b"path", "proven_at_unix_ns", b"proven_at_unix_ns", "push_error", b"push_error", "sealed_at_unix_ns", b"sealed_at_unix_ns", "seq", b"seq", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blake3", b"blake3", "durable", b"durable", "durable_at_unix_ns", b"durable_at_unix_ns", "durable_only", b"durable_only", "path", b"path", "proof", b"proof", "proven_at_unix_ns", b"proven_at_unix_ns", "push_error", b"push_error", "sealed_at_unix_ns", b"sealed_at_unix_ns", "seq", b"seq", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -700,6 +727,9 @@ class ArtifactStats(_message.Message):
     NOT_DURABLE_BYTES_FIELD_NUMBER: _builtins.int
     PUSH_LAG_MS_FIELD_NUMBER: _builtins.int
     SEALED_BYTES_FIELD_NUMBER: _builtins.int
+    PUSH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    SERVER_CHECKSUM_FIELD_NUMBER: _builtins.int
+    DURABLE_ONLY_FIELD_NUMBER: _builtins.int
     sealed: _builtins.int
     """Current claims."""
     durable: _builtins.int
@@ -710,6 +740,14 @@ class ArtifactStats(_message.Message):
     """Age of the oldest current claim that is not yet durable, in milliseconds; 0 if none."""
     sealed_bytes: _builtins.int
     """Bytes of all current claims."""
+    push_bytes_per_s: _builtins.float
+    """Push bandwidth measured over the recent pushes (bytes copied and proven per second of push
+    time); 0 before the first push.
+    """
+    server_checksum: _builtins.int
+    """Current durable claims proven by the store's checksum only (proof "server-checksum")."""
+    durable_only: _builtins.int
+    """Current claims whose box-side copy retention deleted (durable_only)."""
     def __init__(
         self,
         *,
@@ -718,10 +756,13 @@ class ArtifactStats(_message.Message):
         not_durable_bytes: _builtins.int = ...,
         push_lag_ms: _builtins.int = ...,
         sealed_bytes: _builtins.int = ...,
+        push_bytes_per_s: _builtins.float = ...,
+        server_checksum: _builtins.int = ...,
+        durable_only: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "not_durable_bytes", b"not_durable_bytes", "push_lag_ms", b"push_lag_ms", "sealed", b"sealed", "sealed_bytes", b"sealed_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "durable_only", b"durable_only", "not_durable_bytes", b"not_durable_bytes", "push_bytes_per_s", b"push_bytes_per_s", "push_lag_ms", b"push_lag_ms", "sealed", b"sealed", "sealed_bytes", b"sealed_bytes", "server_checksum", b"server_checksum"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1307,3 +1348,73 @@ class ShutdownResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ShutdownResponse: _TypeAlias = ShutdownResponse  # noqa: Y015
+
+@_typing.final
+class DrainRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAIT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    wait: _builtins.bool
+    """Keep streaming progress until nothing is at risk or timeout_s passed."""
+    timeout_s: _builtins.int
+    """With wait: the most seconds to wait; 0 means 3600."""
+    def __init__(
+        self,
+        *,
+        wait: _builtins.bool = ...,
+        timeout_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["timeout_s", b"timeout_s", "wait", b"wait"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainRequest: _TypeAlias = DrainRequest  # noqa: Y015
+
+@_typing.final
+class DrainProgress(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AT_RISK_FILES_FIELD_NUMBER: _builtins.int
+    AT_RISK_BYTES_FIELD_NUMBER: _builtins.int
+    ESTIMATED_S_FIELD_NUMBER: _builtins.int
+    PUSH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
+    AT_RISK_FIELD_NUMBER: _builtins.int
+    PENDING_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    at_risk_files: _builtins.int
+    """Current claims not durable yet."""
+    at_risk_bytes: _builtins.int
+    estimated_s: _builtins.float
+    """at_risk_bytes at the measured push bandwidth, in seconds; -1 when nothing was measured yet."""
+    push_bytes_per_s: _builtins.float
+    pending: _builtins.int
+    """Entries of the watched dirs not covered by a claim (being written, changed, temp names): at
+    risk too, and not pushable until they are sealed.
+    """
+    done: _builtins.bool
+    """The last message of the stream."""
+    @_builtins.property
+    def at_risk(self) -> _containers.RepeatedCompositeFieldContainer[Global___Claim]:
+        """The first of them, newest first (at most 20), each with its last push error."""
+
+    def __init__(
+        self,
+        *,
+        at_risk_files: _builtins.int = ...,
+        at_risk_bytes: _builtins.int = ...,
+        estimated_s: _builtins.float = ...,
+        push_bytes_per_s: _builtins.float = ...,
+        at_risk: _abc.Iterable[Global___Claim] | None = ...,
+        pending: _builtins.int = ...,
+        done: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["at_risk", b"at_risk", "at_risk_bytes", b"at_risk_bytes", "at_risk_files", b"at_risk_files", "done", b"done", "estimated_s", b"estimated_s", "pending", b"pending", "push_bytes_per_s", b"push_bytes_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainProgress: _TypeAlias = DrainProgress  # noqa: Y015

@@ -91,6 +91,11 @@ class SidecarStub(object):
                 request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.Drain = channel.unary_stream(
+                '/boxwarden_pb.v1.Sidecar/Drain',
+                request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.SerializeToString,
+                response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer(object):
@@ -186,6 +191,15 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drain(self, request, context):
+        """Push every current claim that is not durable now, newest first, and say what is still at risk:
+        one message at once, then (with wait) one per second until nothing is at risk or timeout_s
+        passed; the last message has done set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -243,6 +257,11 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownRequest.FromString,
                     response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'Drain': grpc.unary_stream_rpc_method_handler(
+                    servicer.Drain,
+                    request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.FromString,
+                    response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -544,6 +563,33 @@ class Sidecar(object):
             '/boxwarden_pb.v1.Sidecar/Shutdown',
             boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownRequest.SerializeToString,
             boxwarden__pb_dot_v1_dot_sidecar__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drain(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/boxwarden_pb.v1.Sidecar/Drain',
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.SerializeToString,
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.FromString,
             options,
             channel_credentials,
             insecure,

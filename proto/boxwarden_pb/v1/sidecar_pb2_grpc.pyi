@@ -91,6 +91,11 @@ class SidecarStub:
     """
     Shutdown: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ShutdownRequest, _sidecar_pb2.ShutdownResponse]
     """Ordered shutdown of the daemon (the same path as SIGTERM). Jobs are not touched."""
+    Drain: _grpc.UnaryStreamMultiCallable[_sidecar_pb2.DrainRequest, _sidecar_pb2.DrainProgress]
+    """Push every current claim that is not durable now, newest first, and say what is still at risk:
+    one message at once, then (with wait) one per second until nothing is at risk or timeout_s
+    passed; the last message has done set.
+    """
 
 @_typing.type_check_only
 class SidecarAsyncStub(SidecarStub):
@@ -135,6 +140,11 @@ class SidecarAsyncStub(SidecarStub):
     """
     Shutdown: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ShutdownRequest, _sidecar_pb2.ShutdownResponse]  # type: ignore[assignment]
     """Ordered shutdown of the daemon (the same path as SIGTERM). Jobs are not touched."""
+    Drain: _aio.UnaryStreamMultiCallable[_sidecar_pb2.DrainRequest, _sidecar_pb2.DrainProgress]  # type: ignore[assignment]
+    """Push every current claim that is not durable now, newest first, and say what is still at risk:
+    one message at once, then (with wait) one per second until nothing is at risk or timeout_s
+    passed; the last message has done set.
+    """
 
 class SidecarServicer(metaclass=_abc_1.ABCMeta):
     """The on-box daemon. It listens on a Unix socket (dir 0700, socket 0600); SSH is the
@@ -242,5 +252,16 @@ class SidecarServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_sidecar_pb2.ShutdownResponse, _abc.Awaitable[_sidecar_pb2.ShutdownResponse]]:
         """Ordered shutdown of the daemon (the same path as SIGTERM). Jobs are not touched."""
+
+    @_abc_1.abstractmethod
+    def Drain(
+        self,
+        request: _sidecar_pb2.DrainRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_sidecar_pb2.DrainProgress], _abc.AsyncIterator[_sidecar_pb2.DrainProgress]]:
+        """Push every current claim that is not durable now, newest first, and say what is still at risk:
+        one message at once, then (with wait) one per second until nothing is at risk or timeout_s
+        passed; the last message has done set.
+        """
 
 def add_SidecarServicer_to_server(servicer: SidecarServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
