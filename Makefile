@@ -7,7 +7,7 @@ PROTO_SRC := $(wildcard proto/boxwarden_pb/v1/*.proto)
 PROTO_OUT := proto/boxwarden_pb/v1
 STAMP := $(VENV)/.setup-stamp
 
-.PHONY: setup sysdeps proto proto-check lint py39-check typecheck test test-gpu bench demo wheel clean
+.PHONY: setup sysdeps proto proto-check lint py39-check typecheck test crash test-gpu bench demo wheel clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ typecheck: $(STAMP)
 
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q -n 4
+
+# kill -9 at random moments of pushes, 50 times per durable backend (file://, s3://).
+crash: $(STAMP) sysdeps
+	BOXWARDEN_CRASH_ROUNDS=50 $(BIN)/python -m pytest -q -n 2 tests/sidecar/test_crash.py \
+	    "tests/test_s3_store.py::test_kill9_while_pushing_to_a_bucket_never_leaves_a_false_durable_claim_nor_an_upload"
 
 test-gpu: $(STAMP)
 	$(BIN)/python -m pytest -q -m gpu --run-gpu

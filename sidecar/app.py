@@ -25,6 +25,7 @@ import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from sidecar import __version__, children, mounts
+from sidecar.backlog import Backlog
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
@@ -32,7 +33,9 @@ from sidecar.health import HealthHub
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
 from sidecar.paths import ArtifactNamer
+from sidecar.priority import lower_this_thread
 from sidecar.release import Releaser
+from sidecar.retention import Retainer
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService
 from sidecar.storage import open_store
@@ -41,8 +44,9 @@ from sidecar.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
-PUSH_RETRY_S = (1.0, 2.0, 5.0, 15.0, 30.0)
 MAX_MESSAGE = 8 << 20
+SHUTDOWN_MARGIN_S = 1.0
+"""Of the grace between SIGTERM and SIGKILL, what the drain leaves for the orderly shutdown."""
 
 
 def _mount_signatures(ledger: Ledger, s: Settings) -> dict[Path, str]:
@@ -58,6 +62,25 @@ def _mount_signatures(ledger: Ledger, s: Settings) -> dict[Path, str]:
             recorded = now
         out[root] = recorded
     return out
+
+
+async def _drain(backlog: Backlog, ledger: Ledger, grace_s: float) -> None:
+    """Before exiting: push what is not durable yet, within the grace the platform leaves between
+    SIGTERM and SIGKILL (less a margin for the orderly shutdown), and journal what is still at risk."""
+    budget = max(0.0, grace_s - SHUTDOWN_MARGIN_S)
+    if backlog.settled():
+        return
+    logger.info("draining for up to %.1fs before exiting", budget)
+    left = None
+    async for risk in backlog.drain(budget, every_s=budget + 1):
+        left = risk  # the last word is what is still at risk
+    if left is not None and left.files:
+        paths = ", ".join(c.path for c in left.first)
+        ledger.add_event(
+            "DRAIN_UNFINISHED",
+            detail=f"{left.files} claims ({left.bytes} bytes) not durable at exit: {paths}",
+        )
+        logger.warning("exiting with %d claims (%d bytes) not durable", left.files, left.bytes)
 
 
 async def supervise(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -165,8 +188,12 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     reset = ledger.bind_store(f"{store.url}#{store.store_id()}")
     if reset:
         logger.warning("the durable store changed: %d claims will be pushed and proven again", reset)
-    executor = ThreadPoolExecutor(max_workers=s.hash_workers, thread_name_prefix="hash")
-    scan_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="scan")
+    executor = ThreadPoolExecutor(
+        max_workers=s.hash_workers, thread_name_prefix="hash", initializer=lower_this_thread
+    )
+    scan_executor = ThreadPoolExecutor(
+        max_workers=1, thread_name_prefix="scan", initializer=lower_this_thread
+    )
 
     def emit(kind: str, job_id: str, detail: str) -> None:
         ledger.add_event(kind, job_id=job_id, detail=detail)
@@ -189,6 +216,13 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         settle_s=s.settle_s,
         notify=journal.ring,
     )
+    backlog = Backlog(
+        ledger=ledger,
+        push_pending=sealer.push_pending,
+        busy=lambda: len(sealer.busy_set()),
+        bandwidth=sealer.bandwidth,
+    )
+    retainer = Retainer(sealer, s.keep)
 
     async def running_jobs(caller: Caller | None) -> list[str]:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
@@ -212,7 +246,16 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
             "%d claims changed or went while the sidecar was not running; their copies are kept", ended
         )
     disk_paths = [(d, "watch") for d in s.watch_dirs] + [(s.state_dir, "state")]
-    health = HealthHub(paths=disk_paths, store=store, ledger=ledger, jobs=jobs, notify=journal.ring)
+    health = HealthHub(
+        paths=disk_paths,
+        store=store,
+        ledger=ledger,
+        jobs=jobs,
+        notify=journal.ring,
+        bandwidth=sealer.bandwidth,
+        to_abs=namer.to_abs,
+        on_space_freed=lambda: backlog.wake("the durable store has more room"),
+    )
 
     server = grpc.aio.server(
         options=[
@@ -232,6 +275,8 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         started_at_ns=time.time_ns(),
         request_shutdown=stop.set,
         durable_root=store.url,
+        backlog=backlog,
+        store=store,
     )
     sidecar_pb2_grpc.add_SidecarServicer_to_server(SidecarService(parts), server)  # type: ignore[arg-type]
     _remove_stale_socket(s.socket_path)
@@ -254,28 +299,20 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
             # A walk of 100,000 files costs about a second: never spend more than ~2 % of a core on it.
             await asyncio.sleep(max(s.rescan_s, 50 * sealer.last_walk_s))
 
-    async def pushes() -> None:
-        attempt = 0
-        while True:
-            # The counters, not a listing: with 100,000 claims arriving, this loop must stay cheap.
-            if ledger.counts.sealed > ledger.counts.durable:
-                await sealer.push_pending()
-                waiting = ledger.counts.sealed > ledger.counts.durable
-                attempt = min(attempt + 1, len(PUSH_RETRY_S) - 1) if waiting else 0
-            await asyncio.sleep(PUSH_RETRY_S[attempt])
-
     workers = [
         loop.create_task(supervise(name, fn))
         for name, fn in (
             ("watcher", consume),
             ("rescan", rescans),
-            ("push-retry", pushes),
+            ("push-retry", backlog.run),
+            ("retention", retainer.run),
             ("health", lambda: health.run(s.health_interval_s)),
         )
     ]
     logger.info("sidecar %s serving on unix:%s (pid %d)", __version__, s.socket_path, os.getpid())
     try:
         await stop.wait()
+        await _drain(backlog, ledger, s.drain_grace_s)
     finally:
         logger.info("shutting down")
         await server.stop(grace=2.0)

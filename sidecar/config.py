@@ -17,6 +17,7 @@ from google.protobuf import json_format
 
 from sidecar.compat import SLOTS
 from sidecar.errors import ConfigError
+from sidecar.keep import NO_RULES, KeepRules, parse_keep
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
 from sidecar.storage import local_dir
 
@@ -44,6 +45,8 @@ class Settings:
     workdir: Path | None = None
     rescan_s: float = 10.0
     durable_credentials: Path | None = None
+    keep: KeepRules = NO_RULES
+    drain_grace_s: float = 5.0
 
     @property
     def ledger_path(self) -> Path:
@@ -133,6 +136,10 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         why = credentials_problem(credentials)
         if why:
             raise fail("durable_credentials_file", why)
+    try:
+        keep = parse_keep(msg.keep)
+    except ValueError as e:
+        raise fail("keep", str(e)) from None
     return Settings(
         box_name=msg.box_name,
         profile=msg.profile or "local",
@@ -149,6 +156,8 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         workdir=Path(msg.workdir) if msg.workdir else None,
         rescan_s=(msg.rescan_ms or 10000) / 1000,
         durable_credentials=credentials,
+        keep=keep,
+        drain_grace_s=float(msg.drain_grace_s or 5),
     )
 
 

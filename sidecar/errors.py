@@ -37,4 +37,11 @@ class ChangedError(SidecarError):
 
 
 class StorageError(SidecarError):
-    pass
+    """`reason` says what kind of failure it is (a PUSH_FAILED event leads with it): NO_SPACE,
+    NO_INODES, QUOTA, PERMISSION, READ_ONLY, NOT_MOUNTED, IO_ERROR, NETWORK, THROTTLED, CREDENTIALS,
+    SOURCE (the artifact itself could not be read), NOT_FOUND (no copy where one was asked for), or
+    STORE_ERROR (anything else)."""
+
+    def __init__(self, message: str, reason: str = "STORE_ERROR") -> None:
+        super().__init__(message)
+        self.reason = reason

@@ -90,6 +90,8 @@ def _collect(
         elif not claim.identity.matches(e.st) or e.art in dirty:
             out[shown] = PendingEntry(shown, CHANGED, "changed since its claim; being sealed again")
     for path in claims.keys() - seen:
+        if claims[path].durable_only:
+            continue  # retired: its bytes live in durable storage only, as the claim says
         shown = display(path)
         out[shown] = PendingEntry(shown, CHANGED, "claimed, but no longer on the box as a regular file")
     return BoxEvidence(

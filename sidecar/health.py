@@ -1,7 +1,10 @@
 """HealthHub: samples the box once per interval and hands the latest snapshot to every WatchHealth stream.
 
-It also turns threshold crossings (disk or inodes running low) into journal events, once per
-crossing rather than once per sample.
+It also turns threshold crossings into journal events, once per crossing rather than once per
+sample: disk or inodes running low, and NEXT_SAVE_WONT_FIT (the newest checkpoint is bigger than
+the free bytes of its filesystem, or no inode is left there: a save like it would fail). And it
+says when the durable store gained free space or inodes (`on_space_freed`): pushes that failed for
+want of room are retried at once.
 """
 
 from __future__ import annotations
@@ -14,14 +17,18 @@ from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
+from sidecar.backlog import Bandwidth
 from sidecar.bell import Bell
 from sidecar.errors import StorageError
 from sidecar.jobs import JobRecord, JobSupervisor
-from sidecar.ledger import Ledger
+from sidecar.ledger import ClaimRow, Ledger
 from sidecar.probes import DiskSample, SelfSampler, disk_usage, low_space
 from sidecar.storage import DurableStore
 
 logger = logging.getLogger(__name__)
+
+FREED_BYTES = 1 << 20
+"""The durable store gaining more than this (or any inode) wakes the pushes that wait for room."""
 
 JOB_STATES = {
     "running": pb.JOB_STATE_RUNNING,
@@ -59,8 +66,17 @@ class HealthHub:
         ledger: Ledger,
         jobs: JobSupervisor,
         notify: Callable[[], None],
+        bandwidth: Bandwidth | None = None,
+        to_abs: Callable[[str], Path] | None = None,
+        on_space_freed: Callable[[], None] = lambda: None,
     ) -> None:
+        """`to_abs`: a claim's path on the box (for NEXT_SAVE_WONT_FIT; None: not checked)."""
         self._paths = paths
+        self._bandwidth = bandwidth
+        self._to_abs = to_abs
+        self._on_space_freed = on_space_freed
+        self._wont_fit = ""  # the claim the last NEXT_SAVE_WONT_FIT was about, while it holds
+        self._durable_free: tuple[int, int] | None = None
         self._store = store
         self._ledger = ledger
         self._jobs = jobs
@@ -72,7 +88,11 @@ class HealthHub:
 
     def _sample(self) -> pb.HealthSnapshot:
         snap = pb.HealthSnapshot(at_unix_ns=time.time_ns(), seq=self._ledger.last_seq())
-        for d in self._disks():
+        disks = self._disks()
+        summary = self._ledger.summary()
+        self._check_fit(disks, summary.newest)
+        self._check_freed(disks)
+        for d in disks:
             snap.disks.append(
                 pb.DiskUsage(
                     path=str(d.path),
@@ -95,6 +115,9 @@ class HealthHub:
                 not_durable_bytes=n.sealed_bytes - n.durable_bytes,
                 push_lag_ms=(time.time_ns() - oldest) // 1_000_000 if oldest else 0,
                 sealed_bytes=n.sealed_bytes,
+                push_bytes_per_s=self._bandwidth.bytes_per_s() if self._bandwidth else 0.0,
+                server_checksum=summary.server_checksum,
+                durable_only=summary.durable_only,
             )
         )
         s = self._sampler.sample()
@@ -112,6 +135,43 @@ class HealthHub:
             logger.warning("the durable store's free space is unknown: %s", e)
             durable = None
         return disks if durable is None else [*disks, durable]
+
+    def _check_fit(self, disks: list[DiskSample], newest: ClaimRow | None) -> None:
+        """NEXT_SAVE_WONT_FIT once per episode: the newest claim's filesystem has fewer free bytes
+        than its size, or fewer than two free inodes (a save writes a temp name, then renames)."""
+        why = ""
+        if newest is not None and self._to_abs is not None:
+            where = self._to_abs(newest.path)
+            for d in disks:
+                if d.role != "watch" or not where.is_relative_to(d.path):
+                    continue
+                if d.total_bytes > 0 and d.free_bytes < newest.size:
+                    why = (
+                        f"the newest checkpoint {newest.path} is {newest.size} bytes and {d.path} has "
+                        f"{d.free_bytes} bytes free: the next save of that size will fail; free space "
+                        "there (or retire old checkpoints with `up --keep`)"
+                    )
+                elif d.total_inodes > 0 and d.free_inodes < 2:
+                    why = (
+                        f"{d.path} has {d.free_inodes} free inodes: the next save will fail; remove "
+                        "files there (`df -i`)"
+                    )
+        key = f"{newest.path}#{newest.id}" if why and newest is not None else ""
+        if key and key != self._wont_fit:
+            self._ledger.add_event("NEXT_SAVE_WONT_FIT", path=newest.path if newest else "", detail=why)
+            self._notify()
+        self._wont_fit = key
+
+    def _check_freed(self, disks: list[DiskSample]) -> None:
+        durable = next((d for d in disks if d.role == "durable"), None)
+        now = None if durable is None else (durable.free_bytes, durable.free_inodes)
+        before, self._durable_free = self._durable_free, now
+        if (
+            now is not None
+            and before is not None
+            and (now[0] > before[0] + FREED_BYTES or now[1] > before[1])
+        ):
+            self._on_space_freed()
 
     def _track_low(self, path: str, kinds: set[str]) -> None:
         for kind in kinds:

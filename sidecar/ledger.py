@@ -65,6 +65,8 @@ class ClaimRow:
     durable_at_ns: int
     push_error: str
     proven_at_ns: int = 0
+    proof: str = ""  # how the durable copy was last proven ("reread", "server-checksum"); "" if not durable
+    durable_only: bool = False  # retention deleted the box-side copy after a re-read proved its durable one
 
 
 @dataclass(**SLOTS)
@@ -82,6 +84,13 @@ class Counts:
         if durable:
             self.durable += sign
             self.durable_bytes += sign * size
+
+
+@dataclass(frozen=True, **SLOTS)
+class Summary:
+    server_checksum: int = 0  # current durable claims proven by the store's checksum only
+    durable_only: int = 0  # current claims whose box copy retention deleted
+    newest: ClaimRow | None = None  # the most recently sealed current claim
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -109,6 +118,11 @@ class Ledger:
                 self._db.execute(f"ALTER TABLE claims ADD COLUMN {col} INTEGER NOT NULL DEFAULT 0")
         if "kept_at" not in cols:
             self._db.execute("ALTER TABLE claims ADD COLUMN kept_at TEXT NOT NULL DEFAULT ''")
+        if "proof" not in cols:  # an older ledger: every proof it recorded was a re-read
+            self._db.execute("ALTER TABLE claims ADD COLUMN proof TEXT NOT NULL DEFAULT ''")
+            self._db.execute("UPDATE claims SET proof = 'reread' WHERE durable = 1")
+        if "durable_only" not in cols:
+            self._db.execute("ALTER TABLE claims ADD COLUMN durable_only INTEGER NOT NULL DEFAULT 0")
         self.counts = Counts()
         for r in self._db.execute(
             "SELECT durable, count(*) AS n, COALESCE(SUM(size), 0) AS b FROM claims WHERE current = 1"
@@ -126,6 +140,7 @@ class Ledger:
         self._current: dict[str, ClaimRow] = {}
         self._sorted: list[ClaimRow] | None = None
         self.version = 0
+        self._summary, self._summary_at = Summary(), -1
         self._reload_all()
 
     def close(self) -> None:
@@ -236,8 +251,9 @@ class Ledger:
     def add_changed_event(self, path: str, detail: str) -> None:
         self.add_event("ARTIFACT_CHANGED", path=path, detail=detail)
 
-    def mark_durable(self, claim_id: int) -> bool:
-        """Mark a claim durable; False (and nothing changes) if it is no longer current."""
+    def mark_durable(self, claim_id: int, proof: str) -> bool:
+        """Mark a claim durable, proven by `proof`; False (and nothing changes) if it is no longer
+        current."""
         with self._tx() as db:
             row = db.execute(
                 "SELECT path, durable FROM claims WHERE id = ? AND current = 1", (claim_id,)
@@ -246,16 +262,18 @@ class Ledger:
                 return False
             now = time.time_ns()
             if row["durable"]:
-                db.execute("UPDATE claims SET proven_at_ns = ? WHERE id = ?", (now, claim_id))
+                db.execute(
+                    "UPDATE claims SET proven_at_ns = ?, proof = ? WHERE id = ?", (now, proof, claim_id)
+                )
                 durable_already = True
             else:
                 durable_already = False
                 db.execute(
-                    "UPDATE claims SET durable = 1, durable_at_ns = ?, proven_at_ns = ?, push_error = ''"
-                    " WHERE id = ?",
-                    (now, now, claim_id),
+                    "UPDATE claims SET durable = 1, durable_at_ns = ?, proven_at_ns = ?, proof = ?,"
+                    " push_error = '' WHERE id = ?",
+                    (now, now, proof, claim_id),
                 )
-                self._event(db, "ARTIFACT_DURABLE", path=row["path"])
+                self._event(db, "ARTIFACT_DURABLE", path=row["path"], detail=f"proof: {proof}")
         self._reload(row["path"])
         if not durable_already:
             claim = self._current.get(row["path"])
@@ -263,6 +281,33 @@ class Ledger:
             self.counts.durable += 1
             self.counts.durable_bytes += claim.size
         return True
+
+    def set_durable_only(self, claim_id: int, flag: bool) -> bool:
+        """Record that the box-side copy of a current, durable claim is deleted (or back); False if
+        the claim is not current (or, to set it, not durable)."""
+        with self._tx() as db:
+            row = db.execute(
+                "SELECT path FROM claims WHERE id = ? AND current = 1 AND (durable = 1 OR ? = 0)",
+                (claim_id, int(flag)),
+            ).fetchone()
+            if row is None:
+                return False
+            db.execute("UPDATE claims SET durable_only = ? WHERE id = ?", (int(flag), claim_id))
+        self._reload(row["path"])
+        return True
+
+    def summary(self) -> Summary:
+        """What the health stream shows of the current claims beyond `counts`; computed once per
+        change of the claims, not per call."""
+        if self._summary_at != self.version:
+            claims = self._current.values()
+            self._summary = Summary(
+                server_checksum=sum(1 for c in claims if c.durable and c.proof == "server-checksum"),
+                durable_only=sum(1 for c in claims if c.durable_only),
+                newest=max(claims, key=lambda c: c.seq, default=None),
+            )
+            self._summary_at = self.version
+        return self._summary
 
     def mark_not_durable(self, claim_id: int, why: str) -> None:
         """A durable copy that no longer hashes equal: the claim is not durable any more."""
@@ -276,7 +321,7 @@ class Ledger:
                 self.counts.durable -= 1
                 self.counts.durable_bytes -= row["size"]
             db.execute(
-                "UPDATE claims SET durable = 0, durable_at_ns = 0, push_error = ? WHERE id = ?",
+                "UPDATE claims SET durable = 0, durable_at_ns = 0, proof = '', push_error = ? WHERE id = ?",
                 (why, claim_id),
             )
             self._event(db, "PUSH_FAILED", path=row["path"], detail=why)
@@ -384,11 +429,13 @@ class Ledger:
         cur.row_factory = None
         rows = cur.execute(
             "SELECT id, path, size, blake3, dev, ino, mtime_ns, ctime_ns, sealed_at_ns, seq, durable,"
-            " durable_at_ns, push_error, proven_at_ns FROM claims WHERE current = 1"
+            " durable_at_ns, push_error, proven_at_ns, proof, durable_only FROM claims WHERE current = 1"
         ).fetchall()
         self._current = {
-            p: ClaimRow(i, p, sz, b3, FileIdentity(dv, ino, sz, mt, ct), sa, sq, bool(du), da, pe, pa)
-            for (i, p, sz, b3, dv, ino, mt, ct, sa, sq, du, da, pe, pa) in rows
+            p: ClaimRow(
+                i, p, sz, b3, FileIdentity(dv, ino, sz, mt, ct), sa, sq, bool(du), da, pe, pa, pr, bool(do)
+            )
+            for (i, p, sz, b3, dv, ino, mt, ct, sa, sq, du, da, pe, pa, pr, do) in rows
         }
         self._changed()
 
@@ -417,7 +464,7 @@ class Ledger:
                     self.counts.durable -= 1
                     self.counts.durable_bytes -= r["size"]
                 reset = db.execute(
-                    "UPDATE claims SET durable = 0, durable_at_ns = 0,"
+                    "UPDATE claims SET durable = 0, durable_at_ns = 0, proof = '',"
                     " push_error = 'the durable store changed; pushing again'"
                     " WHERE current = 1 AND durable = 1"
                 ).rowcount
@@ -460,4 +507,6 @@ def _claim(row: sqlite3.Row) -> ClaimRow:
         durable_at_ns=row["durable_at_ns"],
         push_error=row["push_error"],
         proven_at_ns=row["proven_at_ns"],
+        proof=row["proof"],
+        durable_only=bool(row["durable_only"]),
     )

@@ -132,13 +132,13 @@ class Releaser:
         # The ledger's word is not enough to delete the only other copy: prove every copy now.
         for c in claims:
             try:
-                ok = await self._s.run(self._s.store.verify, c.path, c.blake3)
+                proof = await self._s.run(self._s.store.verify, c.path, c.blake3)
             except SidecarError as e:  # the store failed, or a symlink was planted in it
-                ok, why = False, str(e)
+                proof, why = None, str(e)
             else:
-                why = "the durable copy did not hash equal when re-read before the release"
-            if ok:
-                self._s.ledger.mark_durable(c.id)  # records when it was proven
+                why = "the durable copy did not hash equal when proven again before the release"
+            if proof:
+                self._s.ledger.mark_durable(c.id, proof)  # records when and how it was proven
             else:
                 self._s.ledger.mark_not_durable(c.id, why)
                 refused.append(Refusal("NOT_DURABLE", c.path, why))
@@ -166,6 +166,12 @@ class Releaser:
 
     async def _release_one(self, c: ClaimRow) -> str:
         """Delete the claimed file if its bytes are exactly the claim's; else say why not."""
+        if c.durable_only:
+            # Retention deleted its box copy already; its durable copy was proven again above.
+            self._s.ledger.end_claim(
+                c.path, "released after verified pull (durable only)", "ARTIFACT_RELEASED"
+            )
+            return ""
         path = self._s.namer.to_abs(c.path)
         ident = identity(path)
         if ident is None:
@@ -176,7 +182,7 @@ class Releaser:
         if not same or c.path in self._s.dirty:
             return "changed since its claim"
         aside = path.with_name(f"{RELEASE_ASIDE_PREFIX}{c.id}")
-        why, mismatch = await self._s.run(_delete_verified, path, aside, c)
+        why, mismatch = await self._s.run(delete_verified, path, aside, c)
         if mismatch:
             self._s.force_reseal(c.path, "the release found other bytes than the claim's")
         if not why:
@@ -240,7 +246,7 @@ def _hash_path(path: Path) -> str:
         os.close(fd)
 
 
-def _delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
+def delete_verified(path: Path, aside: Path, c: ClaimRow) -> tuple[str, bool]:
     """Blocking. Returns (why it was kept or "", whether its bytes differ from the claim).
 
     The file is held under a read lease from before it is hashed until after it is unlinked: a

@@ -27,6 +27,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import TypeVar
 
+from sidecar.backlog import Bandwidth
 from sidecar.errors import ChangedError, SidecarError, StorageError
 from sidecar.hashing import hash_file_read
 from sidecar.identity import FileIdentity
@@ -64,8 +65,10 @@ class Sealer:
         scan_executor: Executor,
         settle_s: float,
         notify: Callable[[], None],
+        bandwidth: Bandwidth | None = None,
     ) -> None:
         self.namer = namer
+        self.bandwidth = bandwidth or Bandwidth()
         self.ledger = ledger
         self.store = store
         self._executor = executor
@@ -240,8 +243,8 @@ class Sealer:
                 now = identity(self.namer.to_abs(c.path))
             except SidecarError:
                 now = None  # a symlink or worse in the way: not the claimed file
-            if c.identity == now:
-                continue  # exactly the claimed file is at its path
+            if c.identity == now or (c.durable_only and now is None):
+                continue  # exactly the claimed file is at its path (or, retired, none is)
             if same_inode_unsure and c.identity.same_file(now):
                 self._unsure.add(c.path)
                 continue
@@ -350,7 +353,7 @@ class Sealer:
         try:
             space = self.store.space()
         except StorageError as e:
-            return f"cannot read the durable store's free space: {e}"
+            return f"{e.reason}: cannot read the durable store's free space: {e}"
         if space is None:  # a store without such a notion (an object store) says so when it is full
             return ""
         free, total = space.free_bytes, space.total_bytes
@@ -358,8 +361,8 @@ class Sealer:
         if free >= size + reserve:
             return ""
         return (
-            f"won't fit: the durable store has {free} bytes free, this copy needs {size} plus a reserve of "
-            f"{reserve}; free space there or point the durable URL at a larger store"
+            f"NO_SPACE: won't fit: the durable store has {free} bytes free, this copy needs {size} plus a "
+            f"reserve of {reserve}; free space there or point the durable URL at a larger store"
         )
 
     async def _settled(self, path: Path) -> FileIdentity | None:
@@ -393,20 +396,35 @@ class Sealer:
 
     async def _seal_now(self, art: str, path: Path, ident: FileIdentity, was_dirty: bool) -> None:
         claim = self.ledger.current(art)
+        if claim is not None and claim.durable_only:
+            # A file where retention deleted the box copy. Its inode number says nothing (a freed
+            # number is soon reused): only its bytes can say it is the claimed file back (a
+            # retention that died before it finished puts the file back).
+            same = (
+                await self._holds_claimed_bytes(art, path, ident, claim)
+                if claim.size == ident.size
+                else False
+            )
+            if same is None:
+                return
+            if same:
+                self.ledger.set_durable_only(claim.id, False)
+                self.ledger.refresh_identity(claim.id, ident)
+                self._unsure.discard(art)
+                return
+            if self.ledger.end_claim(art, RETIRED_TAKEN, "ARTIFACT_REMOVED"):
+                self.notify()  # another file: its copy never replaces the retired one's (`_keep_retired`)
+            claim = None
         if claim is not None and claim.identity == ident and not was_dirty:
             self._unsure.discard(art)
             return  # already claimed as it is (a restart, a read-only touch)
         if claim is not None and claim.size == ident.size and claim.durable:
             # Perhaps only its metadata changed (touch, chmod) or it was rewritten with the same
             # bytes: hash first, and keep the proven claim if the bytes are the same.
-            try:
-                digest = await self.run(hash_file_read, path)
-            except FileNotFoundError:
+            same = await self._holds_claimed_bytes(art, path, ident, claim)
+            if same is None:
                 return
-            if identity(path) != ident:
-                self._again.add(art)
-                return
-            if digest == claim.blake3:
+            if same:
                 self.ledger.refresh_identity(claim.id, ident)
                 self._unsure.discard(art)  # the claimed bytes, whatever happened unseen
                 return
@@ -423,6 +441,7 @@ class Sealer:
         self._unsure.discard(art)
         staged: StagedCopy | None = None
         push_error = self._space_short(ident.size)
+        started = time.monotonic()
         try:
             if not push_error:
                 staged = await self.run(self.store.stage, path, art)
@@ -430,7 +449,7 @@ class Sealer:
             self._again.add(art)
             return
         except StorageError as e:
-            push_error = str(e)
+            push_error = push_failure(e)
         except FileNotFoundError:
             return
         if staged is None:
@@ -459,10 +478,25 @@ class Sealer:
         else:
             claim = self.ledger.add_claim(art, staged.size, staged.digest, ident)
             self.notify()
-        await self._finish(claim, staged)
+        await self._finish(claim, staged, started)
 
-    async def _finish(self, claim: ClaimRow, staged: StagedCopy) -> bool:
-        """Commit, re-read, and mark durable; True if the claim is now durable."""
+    async def _holds_claimed_bytes(
+        self, art: str, path: Path, ident: FileIdentity, claim: ClaimRow
+    ) -> bool | None:
+        """Does the file at `path` (as `ident`) hold exactly the claim's bytes? None: it went or
+        changed while it was hashed (a later seal looks again)."""
+        try:
+            digest = await self.run(hash_file_read, path)
+        except FileNotFoundError:
+            return None
+        if identity(path) != ident:
+            self._again.add(art)
+            return None
+        return digest == claim.blake3
+
+    async def _finish(self, claim: ClaimRow, staged: StagedCopy, started: float) -> bool:
+        """Commit, prove, and mark durable; True if the claim is now durable. `started`: when the
+        stage began (monotonic), for the measured bandwidth."""
         try:
             await self._keep_retired(claim)
             moved = await self.run(self.store.commit, staged)
@@ -472,16 +506,18 @@ class Sealer:
                     path=claim.path,
                     detail=f"an older durable copy of another kind was in the way; it now lies at {moved}",
                 )
-            ok = await self.run(self.store.verify, claim.path, claim.blake3)
+            proof = await self.run(self.store.verify, claim.path, claim.blake3)
         except SidecarError as e:
             await self.run(self.store.discard, staged)
-            self.ledger.mark_push_failed(claim.id, str(e))
+            self.ledger.mark_push_failed(claim.id, push_failure(e))
             self.notify()
             return False
-        if ok:
-            ok = self.ledger.mark_durable(claim.id)
+        ok = False
+        if proof:
+            self.bandwidth.add(staged.size, time.monotonic() - started)
+            ok = self.ledger.mark_durable(claim.id, proof)
         else:
-            self.ledger.mark_push_failed(claim.id, "the durable copy did not hash equal on re-read")
+            self.ledger.mark_push_failed(claim.id, MISMATCH)
         self.notify()
         return ok
 
@@ -508,28 +544,38 @@ class Sealer:
                     continue
                 # A kill after the rename but before the ledger said so leaves a good copy in place.
                 try:
-                    if await self.run(self.store.verify, claim.path, claim.blake3):
-                        made += int(self.ledger.mark_durable(claim.id))
+                    proof = await self.run(self.store.verify, claim.path, claim.blake3)
+                    if proof:
+                        made += int(self.ledger.mark_durable(claim.id, proof))
                         self.notify()
                         continue
                 except StorageError as e:
-                    self.ledger.mark_push_failed(claim.id, str(e))
+                    self.ledger.mark_push_failed(claim.id, push_failure(e))
+                    self.notify()
                     continue
                 path = self.namer.to_abs(claim.path)
+                if claim.durable_only:
+                    # Its box copy is gone (retention) and its durable copy no longer proves: no
+                    # push can bring it back. It stays not durable, and the gate says so.
+                    self.ledger.mark_push_failed(claim.id, LOST)
+                    self.notify()
+                    continue
                 if identity(path) != claim.identity or claim.path in self.dirty:
                     self.candidate(path)  # changed or gone since the claim: the rescan settles it
                     continue
                 short = self._space_short(claim.size)
                 if short:
                     self.ledger.mark_push_failed(claim.id, short)
+                    self.notify()
                     continue
+                started = time.monotonic()
                 try:
                     staged = await self.run(self.store.stage, path, claim.path)
                 except (ChangedError, FileNotFoundError):
                     self.candidate(path)
                     continue
                 except StorageError as e:
-                    self.ledger.mark_push_failed(claim.id, str(e))
+                    self.ledger.mark_push_failed(claim.id, push_failure(e))
                     self.notify()
                     continue
                 if staged.digest != claim.blake3 or staged.source != claim.identity:
@@ -539,14 +585,15 @@ class Sealer:
                     else:
                         self.candidate(path)
                     continue
-                made += int(await self._finish(claim, staged))
+                made += int(await self._finish(claim, staged, started))
         return made
 
     async def _gone(self, art: str, path: Path | None) -> None:
         async with self.lock(art):
             p = path or self.namer.to_abs(art)
             claim = self.ledger.current(art)
-            if claim is None or claim.identity == identity(p):
+            now = identity(p)
+            if claim is None or claim.identity == now or (claim.durable_only and now is None):
                 return  # nothing claimed, or exactly the claimed file is there (a stale report)
             # The claimed file left. Another file may have taken its name since, even its inode
             # number (its "done" event seals it): the claim ends all the same, so the new copy never
@@ -554,6 +601,23 @@ class Sealer:
             if self.ledger.end_claim(art, "deleted or renamed away on the box", "ARTIFACT_REMOVED"):
                 self.dirty.discard(art)
                 self.notify()
+
+
+RETIRED_TAKEN = (
+    "a new file took the path of a claim whose box copy retention deleted; its durable copy is kept"
+)
+LOST = (
+    "LOST: retention deleted the box copy and the durable copy no longer proves equal to the claim; "
+    "nothing on the box can push it again"
+)
+MISMATCH = "MISMATCH: the durable copy did not hash equal to the claim when proven"
+
+
+def push_failure(e: SidecarError) -> str:
+    """A PUSH_FAILED detail: the kind of failure first (NO_SPACE, NETWORK, THROTTLED, ...), then
+    what failed and what to do."""
+    reason = e.reason if isinstance(e, StorageError) else "STORE_ERROR"
+    return f"{reason}: {e}"
 
 
 def _start(

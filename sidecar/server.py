@@ -27,6 +27,7 @@ import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from sidecar import __version__, mounts
+from sidecar.backlog import AtRisk, Backlog
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
@@ -41,11 +42,13 @@ from sidecar.paths import ArtifactNamer, open_regular
 from sidecar.release import Releaser
 from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer
+from sidecar.storage import DurableStore
 from sidecar.strays import Caller
 
 logger = logging.getLogger(__name__)
 
 CHUNK = 1 << 20
+DRAIN_TIMEOUT_S = 3600
 PAGE_SIZE = 20_000  # claims + pending entries per page: about 4 MiB, half the message limit
 SNAPSHOT_TTL_S = 300.0
 SNAPSHOTS_KEPT = 4
@@ -68,6 +71,8 @@ def claim_to_pb(c: ClaimRow) -> pb.Claim:
         durable_at_unix_ns=c.durable_at_ns,
         push_error=c.push_error,
         proven_at_unix_ns=c.proven_at_ns,
+        proof=c.proof,
+        durable_only=c.durable_only,
     )
 
 
@@ -103,6 +108,8 @@ class Parts:
     started_at_ns: int
     request_shutdown: Callable[[], None]
     durable_root: str
+    backlog: Backlog
+    store: DurableStore
 
 
 @dataclass
@@ -251,6 +258,10 @@ class SidecarService:
             raise PreconditionError(f"{request.path!r} changed: the current claim is {claim.blake3[:12]}…")
         if not 0 <= request.offset <= claim.size:
             raise PreconditionError(f"offset {request.offset} is outside 0..{claim.size}")
+        if claim.durable_only:
+            async for chunk in self._read_durable(claim, request.offset):
+                yield chunk
+            return
         try:
             # O_NONBLOCK: a FIFO swapped in for the file must not wedge the event loop on open().
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -282,6 +293,38 @@ class SidecarService:
                 yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
         finally:
             os.close(fd)
+
+    async def _read_durable(self, claim: ClaimRow, offset: int) -> AsyncIterator[pb.ReadArtifactChunk]:
+        """A retired claim's bytes, from its durable copy (the box copy is gone). The reader hashes
+        what it receives; a copy that no longer matches fails its pull, as any changed file does."""
+        loop = asyncio.get_running_loop()
+        store = self._p.store
+        while offset < claim.size:
+            data = await loop.run_in_executor(
+                None, store.read, claim.path, offset, min(CHUNK, claim.size - offset)
+            )
+            if not data:
+                raise ChangedError(f"{claim.path!r}: its durable copy is shorter than the claim")
+            yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
+            offset += len(data)
+        if claim.size == 0:
+            yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
+
+    @translated
+    async def Drain(self, request: pb.DrainRequest, context: Ctx) -> AsyncIterator[pb.DrainProgress]:
+        backlog = self._p.backlog
+        pending = len((await box_evidence(self._p.sealer)).pending)
+        if not request.wait:
+            backlog.wake("a drain was asked for")
+            yield _progress(backlog.at_risk(), pending, done=True)
+            return
+        last: AtRisk | None = None
+        async for risk in backlog.drain(float(request.timeout_s or DRAIN_TIMEOUT_S)):
+            if last is not None:
+                yield _progress(last, pending, done=False)
+            last = risk
+        assert last is not None
+        yield _progress(last, len((await box_evidence(self._p.sealer)).pending), done=True)
 
     @translated
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
@@ -387,6 +430,18 @@ class SidecarService:
     async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
         self._p.request_shutdown()
         return pb.ShutdownResponse(pid=os.getpid())
+
+
+def _progress(risk: AtRisk, pending: int, *, done: bool) -> pb.DrainProgress:
+    return pb.DrainProgress(
+        at_risk_files=risk.files,
+        at_risk_bytes=risk.bytes,
+        estimated_s=risk.estimated_s,
+        push_bytes_per_s=risk.bytes_per_s,
+        at_risk=[claim_to_pb(c) for c in risk.first],
+        pending=pending,
+        done=done,
+    )
 
 
 def _open_log(job_id: str, path: Path) -> int:

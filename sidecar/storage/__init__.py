@@ -15,7 +15,7 @@ The push of one artifact is three blocking calls, run by the caller in a bounded
     staged = store.stage(src, rel)   # ONE read pass: hash + write a temp copy; digest = the claim
     ledger.record_claim(staged)      # caller's business: the claim exists before the copy is final
     store.commit(staged)             # fsync, atomic rename into place, fsync the directories
-    store.verify(rel, digest)        # re-read the copy from the device; equal digest → "durable"
+    store.verify(rel, digest)        # prove the copy (a re-read from the device); equal → "durable"
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ from sidecar.probes import DiskSample
 logger = logging.getLogger(__name__)
 
 SUPPORTED_SCHEMES = ("file", "s3")
+
+REREAD = "reread"
+"""A proof: the copy was read back whole (from the device, not a cache) and hashed equal."""
+SERVER_CHECKSUM = "server-checksum"
+"""A proof: the store's own full-object checksum equals the one taken from the bytes that were
+hashed for the claim (cheaper, weaker; only where the user opted in)."""
 
 TMP_DIRNAME = ".boxwarden-tmp"
 """Directory under a store's root that holds copies in flight; never a valid first `rel` part."""
@@ -108,8 +114,16 @@ class DurableStore(Protocol):
         """Remove the temp copy; a temp that is already gone is not an error."""
         ...
 
-    def verify(self, rel: str, digest: str) -> bool:
-        """Re-read the durable copy at `rel` from the device and compare its digest; missing → False."""
+    def verify(self, rel: str, digest: str, *, reread: bool = False) -> str | None:
+        """Prove the durable copy at `rel` holds the bytes of `digest`: how it was proven (REREAD:
+        read back from the device and hashed; SERVER_CHECKSUM: the store's own full-object checksum,
+        where the user opted in), or None if it is missing or not equal. `reread` demands a re-read
+        whatever the store's default (before anything is deleted on the strength of the proof)."""
+        ...
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        """Up to `length` bytes of the durable copy at `rel` from `offset` (fewer at its end):
+        how a claim whose box copy was retired is served. StorageError if there is no copy."""
         ...
 
     def exists(self, rel: str) -> bool:
@@ -187,7 +201,7 @@ def open_source(src: Path) -> tuple[FileIdentity, int]:
     except FileNotFoundError as exc:
         raise ChangedError(f"{src} vanished before it could be copied") from exc
     except OSError as exc:
-        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}", "SOURCE") from exc
     if not stat.S_ISREG(st.st_mode):
         raise PreconditionError(f"{src} is not a regular file; only regular files are artifacts")
     before = FileIdentity.of(st)
@@ -197,7 +211,7 @@ def open_source(src: Path) -> tuple[FileIdentity, int]:
     except OSError as exc:
         if exc.errno in (errno.ENOENT, errno.ELOOP, errno.ENXIO):
             raise ChangedError(f"{src} was replaced or removed before it could be copied") from exc
-        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+        raise StorageError(f"reading source {src} failed: {exc.strerror or exc}", "SOURCE") from exc
     if FileIdentity.of(os.fstat(fd)) != before:
         os.close(fd)
         raise ChangedError(f"{src} changed between lstat and open; it is still being written")

@@ -86,7 +86,7 @@ def single_pass(
             try:
                 n = os.readv(src_fd, [memoryview(buf)[:want]]) if want > 0 else 0
             except OSError as exc:
-                raise StorageError(f"reading source {src} failed: {exc.strerror or exc}") from exc
+                raise StorageError(f"reading source {src} failed: {exc.strerror or exc}", "SOURCE") from exc
             if n == 0:
                 break
             view = memoryview(buf)[:n]

@@ -4,7 +4,8 @@ This module owns the copy, commit and proof of one artifact on a POSIX filesyste
 
 - stage: ONE read pass over the source (`copier.single_pass`, shared with other backends) into
   the temp file `<root>/.boxwarden-tmp/<uuid>`, whose path is the staged copy's handle. Copies of 1 MiB
-  and more are written with O_DIRECT: no page-cache copy to make, nothing left for fsync to flush,
+  and more are allocated whole up front (fallocate: their writes then run side by side), and
+  written with O_DIRECT: no page-cache copy to make, nothing left for fsync to flush,
   and the trainer keeps its page cache. Where O_DIRECT is refused, written ranges are pushed to
   the device early instead (POSIX_FADV_DONTNEED starts writeback of dirty pages).
 - commit: fsync the temp, rename it into place, fsync every directory the rename touched.
@@ -29,11 +30,13 @@ from urllib.parse import quote, unquote, urlsplit
 
 from sidecar import hashing
 from sidecar.errors import ConfigError, PreconditionError, StorageError, UnsafePathError
+from sidecar.priority import lower_this_thread
 from sidecar.probes import DiskSample
 from sidecar.storage import (
     ATTIC_NAME,
     ID_NAME,
     OWNER_NAME,
+    REREAD,
     TMP_DIRNAME,
     Progress,
     StagedCopy,
@@ -48,6 +51,7 @@ from sidecar.storage.fsio import (
     close_fd,
     hash_by_read,
     hash_in_child,
+    preallocate,
     pwrite_all,
     storage_error,
 )
@@ -140,7 +144,9 @@ class LocalStore:
         self._tmp_dir = root / TMP_DIRNAME
         # Writes of every concurrent stage share these threads; each stage has at most BUFFERS
         # writes in flight, and a few concurrent stages already saturate any disk.
-        self._write_pool = ThreadPoolExecutor(max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-write")
+        self._write_pool = ThreadPoolExecutor(
+            max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-write", initializer=lower_this_thread
+        )
 
     @classmethod
     def from_url(cls, url: str, scope: tuple[str, ...] = ()) -> LocalStore:
@@ -188,6 +194,7 @@ class LocalStore:
             tmp_path, out_fd, direct = self._open_tmp(before.size)
             try:
                 try:
+                    self._reserve(out_fd, tmp_path, before.size)
                     sink = _FileSink(out_fd, tmp_path, direct)
                     digest, copied = single_pass(
                         src,
@@ -213,6 +220,17 @@ class LocalStore:
         finally:
             close_fd(src_fd)
         return StagedCopy(rel=rel, handle=tmp_path, digest=digest, size=copied, source=before)
+
+    def _reserve(self, fd: int, path: Path, size: int) -> None:
+        """Allocate a copy of 1 MiB and more whole before writing it (`fsio.preallocate`): its
+        O_DIRECT writes then reach the device side by side instead of one at a time, and a store
+        too small for it fails here, before the source is read."""
+        if size < _DIRECT_MIN:
+            return
+        try:
+            preallocate(fd, size)
+        except OSError as exc:
+            raise storage_error("reserving space for temp copy", path, exc) from exc
 
     def _open_tmp(self, size: int) -> tuple[Path, int, bool]:
         """Create a fresh temp file; returns its path, a write fd, and whether the fd is O_DIRECT."""
@@ -395,10 +413,10 @@ class LocalStore:
 
     # ---------------------------------------------------------------------------------- verify
 
-    def verify(self, rel: str, digest: str) -> bool:
+    def verify(self, rel: str, digest: str, *, reread: bool = False) -> str | None:
         fd = open_final(self.root, rel)
         if fd is None:
-            return False
+            return None
         path = self.root / rel
         try:
             # DONTNEED only drops clean pages; the copy is clean after commit, and if someone
@@ -414,14 +432,13 @@ class LocalStore:
             raise storage_error("re-reading durable copy", path, exc) from exc
         finally:
             close_fd(fd)
-        ok: bool = actual == digest
-        if not ok:
+        if actual != digest:
             logger.warning("durable copy %s does not hash to its claim %s", path, digest)
-            return False
+            return None
         # The bytes are right; make sure the name is too. A kill between commit's rename and its
         # directory fsync leaves a rename that a power cut could still undo.
         self._sync_dirs(split_rel(rel)[:-1], path)
-        return True
+        return REREAD
 
     def _sync_dirs(self, parts: tuple[str, ...], path: Path) -> None:
         try:
@@ -436,6 +453,17 @@ class LocalStore:
         finally:
             for dfd in dir_fds:
                 close_fd(dfd)
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        fd = open_final(self.root, rel)
+        if fd is None:
+            raise StorageError(f"no durable copy at {self.root / rel}", "NOT_FOUND")
+        try:
+            return os.pread(fd, length, offset)
+        except OSError as exc:
+            raise storage_error("reading durable copy", self.root / rel, exc) from exc
+        finally:
+            close_fd(fd)
 
     def exists(self, rel: str) -> bool:
         fd = open_final(self.root, rel)

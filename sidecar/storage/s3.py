@@ -9,14 +9,20 @@ This module owns the copy, commit and proof of one artifact in a bucket:
 - commit: complete the upload at the artifact's key, then write the claim's blake3 into the
   object's metadata (a server-side copy onto itself: S3 takes metadata only when an object is made,
   and the digest is known only once the pass is over).
-- verify: GET the whole object and hash it; equal to the claim → proven. The object's metadata
-  proves nothing and is not looked at.
+- verify: GET the whole object and hash it; equal to the claim → proven ("reread"). With
+  `?proof=server-checksum` the user accepts a cheaper, weaker proof instead: the stage also takes
+  each part's CRC-32 from the same buffers, commit asks the server to compute the whole object's
+  CRC-32 as it copies it onto itself (and stores ours beside the blake3 in the metadata), and
+  verify is a HEAD: our metadata's blake3 equal to the claim and the server's CRC-32 equal to ours
+  ("server-checksum"). Where the server gives no full-object CRC (objects over 5 GiB are copied
+  by parts; some stores compute none) it falls back to the re-read.
 - clean_tmp: abort every multipart upload under the store's keys (a crash leaves them behind,
   billed and invisible).
 
 boto3 is imported only here, and this module only when a durable URL says `s3://`.
 
-URL: `s3://BUCKET[/PREFIX][?endpoint_url=URL&region=NAME&addressing_style=path|virtual|auto]`.
+URL: `s3://BUCKET[/PREFIX][?endpoint_url=URL&region=NAME&addressing_style=path|virtual|auto
+&proof=reread|server-checksum]`.
 Credentials: the file given in the sidecar's config (`[default]` with `aws_access_key_id`,
 `aws_secret_access_key`, optionally `aws_session_token`, as in ~/.aws/credentials), else boto3's
 standard sources on the box. They never appear in a message of this module.
@@ -24,11 +30,13 @@ standard sources on the box. They never appear in a message of this module.
 
 from __future__ import annotations
 
+import base64
 import configparser
 import logging
 import os
 import threading
 import uuid
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,15 +46,19 @@ from urllib.parse import parse_qsl, quote, unquote, urlsplit
 from sidecar import hashing
 from sidecar.compat import SLOTS
 from sidecar.errors import ConfigError, PreconditionError, StorageError
+from sidecar.priority import lower_this_thread
 from sidecar.probes import DiskSample
 from sidecar.storage import (
     ATTIC_NAME,
     ID_NAME,
     OWNER_NAME,
+    REREAD,
+    SERVER_CHECKSUM,
     Progress,
     StagedCopy,
     check_scope,
     check_source_unchanged,
+    crc,
     open_source,
     split_rel,
 )
@@ -57,7 +69,27 @@ logger = logging.getLogger(__name__)
 MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 MAX_COPY = 5 << 30  # the largest object one CopyObject may copy; larger ones are copied by parts
 READ_CHUNK = 8 << 20
-QUERY_KEYS = ("endpoint_url", "region", "addressing_style")
+QUERY_KEYS = ("endpoint_url", "region", "addressing_style", "proof")
+
+_S3_REASONS = {
+    "SlowDown": "THROTTLED",
+    "Throttling": "THROTTLED",
+    "ThrottlingException": "THROTTLED",
+    "RequestLimitExceeded": "THROTTLED",
+    "TooManyRequests": "THROTTLED",
+    "ServiceUnavailable": "THROTTLED",
+    "AccessDenied": "PERMISSION",
+    "AllAccessDisabled": "PERMISSION",
+    "InvalidAccessKeyId": "CREDENTIALS",
+    "SignatureDoesNotMatch": "CREDENTIALS",
+    "ExpiredToken": "CREDENTIALS",
+    "InvalidToken": "CREDENTIALS",
+    "NoSuchBucket": "NOT_MOUNTED",
+    "QuotaExceeded": "QUOTA",
+    "StorageQuotaExceeded": "QUOTA",
+    "XMinioStorageFull": "NO_SPACE",
+}
+_HTTP_REASONS = {429: "THROTTLED", 503: "THROTTLED", 403: "PERMISSION", 507: "NO_SPACE"}
 
 
 def part_size(size: int) -> int:
@@ -78,6 +110,9 @@ class _Upload:
     chunk: int
     parts: dict[int, dict[str, Any]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Each part's (CRC-32, length), computed while uploading it, when the proof is the server's
+    # checksum: the object's CRC-32 is combined from them at commit.
+    crcs: dict[int, tuple[int, int]] | None = None
 
 
 class _PartSink:
@@ -88,6 +123,10 @@ class _PartSink:
 
     def write(self, data: memoryview, offset: int) -> None:
         number = offset // self._up.chunk + 1
+        if self._up.crcs is not None:
+            crc = zlib.crc32(data)  # the same buffer blake3 hashed: one read pass
+            with self._up.lock:
+                self._up.crcs[number] = (crc, len(data))
         r = self._s3.call(
             "uploading a part of",
             self._up.key,
@@ -110,6 +149,11 @@ class _PartSink:
 
     def alone(self, n: int) -> bool:
         return False
+
+
+def _crc_text(value: int) -> str:
+    """A CRC-32 as S3 writes it: base64 of its 4 big-endian bytes."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
 def read_credentials(path: Path) -> dict[str, str]:
@@ -141,10 +185,14 @@ def read_credentials(path: Path) -> dict[str, str]:
 class S3Store:
     """A durable store under one key prefix of one bucket. Thread-safe."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str, *, url: str) -> None:
-        """`prefix` is "" or ends with "/"; every key of the store starts with it."""
+    def __init__(self, client: Any, bucket: str, prefix: str, *, url: str, proof: str = REREAD) -> None:
+        """`prefix` is "" or ends with "/"; every key of the store starts with it. `proof`: how
+        verify proves a copy by default (REREAD, or SERVER_CHECKSUM where the user opted in)."""
         self._client, self.bucket, self.prefix, self.url = client, bucket, prefix, url
-        self._pool = ThreadPoolExecutor(max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-s3")
+        self.proof = proof
+        self._pool = ThreadPoolExecutor(
+            max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-s3", initializer=lower_this_thread
+        )
         from botocore.exceptions import BotoCoreError, ClientError
 
         self._errors: tuple[type[BaseException], ...] = (BotoCoreError, ClientError)
@@ -167,6 +215,9 @@ class S3Store:
         style = query.get("addressing_style", "auto")
         if style not in ("path", "virtual", "auto"):
             raise ConfigError(f"durable URL {url!r}: addressing_style must be path, virtual or auto")
+        proof = query.get("proof", REREAD)
+        if proof not in (REREAD, SERVER_CHECKSUM):
+            raise ConfigError(f"durable URL {url!r}: proof must be {REREAD} or {SERVER_CHECKSUM}")
         check_scope(url, scope)
         names = [p for p in unquote(parts.path).split("/") if p]
         if any(p in (".", "..") for p in names):
@@ -198,7 +249,7 @@ class S3Store:
             ),
         )
         base = url.split("?", 1)[0].rstrip("/")
-        return cls(client, bucket, prefix, url="/".join([base, *(quote(p) for p in scope)]))
+        return cls(client, bucket, prefix, url="/".join([base, *(quote(p) for p in scope)]), proof=proof)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -208,24 +259,39 @@ class S3Store:
         try:
             return getattr(self._client, op)(Bucket=self.bucket, **kw)
         except self._errors as exc:
-            raise StorageError(f"{doing} s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+            raise self._failure(doing, key, exc) from None
 
-    def _reason(self, exc: BaseException) -> str:
+    def _failure(self, doing: str, key: str, exc: BaseException) -> StorageError:
+        """The StorageError for a failed request, naming the object, S3's error code and the kind of
+        failure (never the request, which may carry signed credentials)."""
+        text, reason = self._reason(exc)
+        return StorageError(f"{doing} s3://{self.bucket}/{key} failed: {text}", reason)
+
+    def _reason(self, exc: BaseException) -> tuple[str, str]:
         name = type(exc).__name__
         if name in ("NoCredentialsError", "PartialCredentialsError"):
             return (
                 f"{name}: no usable credentials; give `up --durable-credentials FILE`, or set up AWS "
-                "credentials for the box's user"
+                "credentials for the box's user",
+                "CREDENTIALS",
             )
-        if name in ("EndpointConnectionError", "ConnectTimeoutError"):
+        if name in (
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ConnectionClosedError",
+        ):
             return (
-                f"{name}: the S3 endpoint cannot be reached from the box; check endpoint_url and the network"
+                f"{name}: the S3 endpoint cannot be reached from the box; check endpoint_url and the network",
+                "NETWORK",
             )
         if isinstance(exc, self._client_error):
             err = exc.response.get("Error", {})
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            return f"{err.get('Code', 'error')} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
-        return type(exc).__name__
+            code = str(err.get("Code", "error"))
+            text = f"{code} (HTTP {status}): {err.get('Message', '')}".rstrip(": ")
+            return text, _S3_REASONS.get(code) or _HTTP_REASONS.get(status or 0, "STORE_ERROR")
+        return name, "NETWORK" if isinstance(exc, OSError) else "STORE_ERROR"
 
     def _missing(self, exc: BaseException) -> bool:
         if not isinstance(exc, self._client_error):
@@ -233,13 +299,14 @@ class S3Store:
         err = exc.response.get("Error", {})
         return str(err.get("Code")) in ("404", "NoSuchKey", "NotFound", "NoSuchUpload")
 
-    def _head(self, key: str) -> dict[str, Any] | None:
+    def _head(self, key: str, *, checksums: bool = False) -> dict[str, Any] | None:
+        kw = {"ChecksumMode": "ENABLED"} if checksums else {}
         try:
-            return dict(self._client.head_object(Bucket=self.bucket, Key=key))
+            return dict(self._client.head_object(Bucket=self.bucket, Key=key, **kw))
         except self._errors as exc:
             if self._missing(exc):
                 return None
-            raise StorageError(f"looking at s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+            raise self._failure("looking at", key, exc) from None
 
     def _key(self, rel: str) -> str:
         split_rel(rel)
@@ -256,6 +323,8 @@ class S3Store:
                 "starting an upload to", key, "create_multipart_upload", Key=key, ChecksumAlgorithm="SHA256"
             )
             up = _Upload(store=id(self), key=key, upload_id=r["UploadId"], chunk=chunk)
+            if self.proof == SERVER_CHECKSUM:
+                up.crcs = {}
             try:
                 digest, copied = single_pass(
                     src,
@@ -285,9 +354,7 @@ class S3Store:
             self._client.abort_multipart_upload(Bucket=self.bucket, Key=up.key, UploadId=up.upload_id)
         except self._errors as exc:
             if not self._missing(exc):
-                raise StorageError(
-                    f"aborting the upload to s3://{self.bucket}/{up.key} failed: {self._reason(exc)}"
-                ) from None
+                raise self._failure("aborting the upload to", up.key, exc) from None
 
     # ---------------------------------------------------------------------------------- commit
 
@@ -311,15 +378,30 @@ class S3Store:
             self._abort(up)
             raise
         meta = {"blake3": staged.digest, "size": str(staged.size)}
-        self._copy(up.key, up.key, staged.size, metadata=meta)
+        checksum = None
+        if up.crcs is not None:
+            meta["crc32"] = _crc_text(crc.combine([up.crcs[n] for n in sorted(up.crcs)]))
+            checksum = "CRC32"
+        self._copy(up.key, up.key, staged.size, metadata=meta, checksum=checksum)
         logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
         return None  # keys have no kinds: "a" and "a/b" live side by side, nothing is ever in the way
 
-    def _copy(self, src: str, dst: str, size: int, *, metadata: dict[str, str] | None = None) -> None:
-        """A server-side copy of the object `src` to `dst` (REPLACE the metadata when given)."""
+    def _copy(
+        self,
+        src: str,
+        dst: str,
+        size: int,
+        *,
+        metadata: dict[str, str] | None = None,
+        checksum: str | None = None,
+    ) -> None:
+        """A server-side copy of the object `src` to `dst` (REPLACE the metadata when given; with
+        `checksum`, the server computes the copy's full-object checksum of that algorithm)."""
         source = {"Bucket": self.bucket, "Key": src}
         extra: dict[str, Any] = {"MetadataDirective": "REPLACE", "Metadata": metadata} if metadata else {}
         if size <= MAX_COPY:
+            if checksum is not None:
+                extra["ChecksumAlgorithm"] = checksum
             self.call("copying to", dst, "copy_object", Key=dst, CopySource=source, **extra)
             return
         r = self.call(
@@ -377,27 +459,67 @@ class S3Store:
 
     # ---------------------------------------------------------------------------------- verify
 
-    def verify(self, rel: str, digest: str) -> bool:
+    def verify(self, rel: str, digest: str, *, reread: bool = False) -> str | None:
         key = self._key(rel)
+        if self.proof == SERVER_CHECKSUM and not reread:
+            head = self._head(key, checksums=True)
+            if head is None:
+                return None
+            meta = head.get("Metadata") or {}
+            ours, theirs = meta.get("crc32"), head.get("ChecksumCRC32")
+            if meta.get("blake3") != digest or meta.get("size") != str(head.get("ContentLength")):
+                logger.warning(
+                    "durable copy s3://%s/%s is not the copy of claim %s", self.bucket, key, digest
+                )
+                return None
+            if ours and theirs:
+                if ours == theirs:
+                    return SERVER_CHECKSUM
+                logger.warning("durable copy s3://%s/%s: the server's CRC-32 is not ours", self.bucket, key)
+                return None
+            # No full-object checksum from the server (copied by parts, or a store without one).
         try:
             body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
         except self._errors as exc:
             if self._missing(exc):
-                return False
-            raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+                return None
+            raise self._failure("re-reading", key, exc) from None
         hasher = hashing.new_hasher()
         try:
             with body:
                 for chunk in iter(lambda: body.read(READ_CHUNK), b""):
                     hasher.update(chunk)
         except self._errors as exc:
-            raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+            raise self._failure("re-reading", key, exc) from None
         except OSError as exc:
             raise StorageError(f"re-reading s3://{self.bucket}/{key} failed: {exc}") from None
-        ok: bool = hasher.hexdigest() == digest
-        if not ok:
+        if hasher.hexdigest() != digest:
             logger.warning("durable copy s3://%s/%s does not hash to its claim %s", self.bucket, key, digest)
-        return ok
+            return None
+        return REREAD
+
+    def read(self, rel: str, offset: int, length: int) -> bytes:
+        key = self._key(rel)
+        if length <= 0:
+            return b""
+        try:
+            r = self._client.get_object(
+                Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
+            )
+            with r["Body"] as body:
+                data: bytes = body.read()
+        except self._errors as exc:
+            if self._missing(exc):
+                raise StorageError(f"no durable copy at s3://{self.bucket}/{key}", "NOT_FOUND") from None
+            if (
+                isinstance(exc, self._client_error)
+                and exc.response.get("Error", {}).get("Code") == "InvalidRange"
+            ):
+                return b""  # at or past the end
+            raise self._failure("reading", key, exc) from None
+        except OSError as exc:
+            raise StorageError(f"reading s3://{self.bucket}/{key} failed: {exc}", "NETWORK") from None
+        return data
 
     def exists(self, rel: str) -> bool:
         return self._head(self._key(rel)) is not None
@@ -430,7 +552,7 @@ class S3Store:
                 str(exc.response.get("Error", {}).get("Code")) if isinstance(exc, self._client_error) else ""
             )
             if code not in ("PreconditionFailed", "ConditionalRequestConflict", "412"):
-                raise StorageError(f"writing s3://{self.bucket}/{key} failed: {self._reason(exc)}") from None
+                raise self._failure("writing", key, exc) from None
         body = self.call("reading", key, "get_object", Key=key)["Body"]
         with body:
             return str(body.read().decode("ascii", "replace").strip())

@@ -15,7 +15,9 @@ import blake3
 
 from tests.sidecar.daemon import make_daemon
 
-ROUNDS = 20
+ROUNDS = int(os.environ.get("BOXWARDEN_CRASH_ROUNDS", "20"))
+"""Kills per run. `make crash` (and .ci/run) runs the 50 per backend the durable-storage issue asks
+for; `make test` runs fewer, to stay within its time."""
 SIZE = 24 << 20
 
 
@@ -59,7 +61,7 @@ def test_kill9_while_pushing_never_leaves_a_false_durable_claim(tmp_path: Path, 
             assert_no_false_durable(ledger, d.store)
             d.start()
             assert_no_false_durable(ledger, d.store)
-        expected = 2 * ROUNDS - (ROUNDS - 1)  # latest.pt once + step-0..19
+        expected = ROUNDS + 1  # latest.pt once, and each step-i.pt
         claims = d.wait_durable(expected, timeout=180)
         assert assert_no_false_durable(ledger, d.store) == expected
         latest = next(c for c in claims if c.path == "cell-a/latest.pt")

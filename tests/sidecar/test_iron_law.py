@@ -361,16 +361,16 @@ def test_a_job_child_that_clears_its_environment_and_leaves_the_session_keeps_th
 def test_release_keeps_a_file_someone_holds_open_for_writing_and_puts_it_back(tmp_path: Path) -> None:
     from sidecar.identity import FileIdentity
     from sidecar.ledger import ClaimRow
-    from sidecar.release import _delete_verified
+    from sidecar.release import delete_verified
 
     f, aside = tmp_path / "best.pt", tmp_path / ".bw-release.1"
     f.write_bytes(b"claimed bytes")
     claim = ClaimRow(1, "best.pt", 13, b3(b"claimed bytes"), FileIdentity.from_path(f), 0, 1, True, 0, "")
     with open(f, "r+b"):  # a writer that kept its fd
-        why, mismatch = _delete_verified(f, aside, claim)
+        why, mismatch = delete_verified(f, aside, claim)
     assert why == "someone holds it open for writing" and not mismatch
     assert f.read_bytes() == b"claimed bytes" and not aside.exists()
-    why, _ = _delete_verified(f, aside, claim)  # nobody writes it now: deleted
+    why, _ = delete_verified(f, aside, claim)  # nobody writes it now: deleted
     assert why == "" and not f.exists() and not aside.exists()
 
 

@@ -55,7 +55,7 @@ class LedgerMirror(RuleBasedStateMachine):
     def durable(self, path: str) -> None:
         cid = self._id_of(path)
         if cid is not None:
-            assert self.ledger.mark_durable(cid)
+            assert self.ledger.mark_durable(cid, "reread")
 
     @rule(path=PATHS, why=st.sampled_from(["gone", "bad bytes"]))
     def not_durable(self, path: str, why: str) -> None:
@@ -78,7 +78,7 @@ class LedgerMirror(RuleBasedStateMachine):
         cid = self._id_of(path)
         if cid is not None:
             self.seal(path, 1)  # supersedes cid
-            assert not self.ledger.mark_durable(cid)
+            assert not self.ledger.mark_durable(cid, "reread")
 
     @rule(key=st.sampled_from(["file:///x#1", "file:///y#2"]))
     def store(self, key: str) -> None:
@@ -123,10 +123,10 @@ def test_a_retired_copy_is_the_last_durable_claim_whose_file_left_the_box(tmp_pa
     try:
         v1 = ledger.add_claim("best.pt", 1, "1" * 64, _ident(1))
         assert ledger.retired_copy("best.pt") is None  # current: nothing retired
-        assert ledger.mark_durable(v1.id)
+        assert ledger.mark_durable(v1.id, "reread")
         v2 = ledger.add_claim("best.pt", 1, "2" * 64, _ident(2))  # a rewrite supersedes it
         assert ledger.retired_copy("best.pt") is None
-        assert ledger.mark_durable(v2.id)
+        assert ledger.mark_durable(v2.id, "reread")
         assert ledger.end_claim("best.pt", "deleted or renamed away on the box", "ARTIFACT_REMOVED")
         kept = ledger.retired_copy("best.pt")
         assert kept is not None and kept.id == v2.id
@@ -134,7 +134,7 @@ def test_a_retired_copy_is_the_last_durable_claim_whose_file_left_the_box(tmp_pa
         assert ledger.retired_copy("best.pt") == kept  # until it is kept aside, whatever comes next
         ledger.mark_kept(v2.id, ".boxwarden-attic/retired-2/best.pt")
         assert ledger.retired_copy("best.pt") is None
-        assert ledger.mark_durable(v3.id)
+        assert ledger.mark_durable(v3.id, "reread")
         assert ledger.end_claim("best.pt", "released after verified pull", "ARTIFACT_RELEASED")
         again = ledger.retired_copy("best.pt")
         assert again is not None and again.id == v3.id

@@ -244,7 +244,7 @@ def test_a_copy_that_would_not_fit_is_refused_before_it_starts(tmp_path: Path) -
         tmp_path, "durable", total_bytes=10 << 30, free_bytes=1 << 30, total_inodes=9, free_inodes=9
     )
     why = space_short(tmp_path, full, 1 << 30)  # fits the free bytes, not with the reserve kept
-    assert why.startswith("won't fit") and str(1 << 30) in why
+    assert why.startswith("NO_SPACE: won't fit") and str(1 << 30) in why
     assert space_short(tmp_path, full, 100 << 20) == ""
 
 

@@ -103,6 +103,20 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A claimed file's bytes were found not to match its claim (by a pull, a release, a write event
     or a rescan); it is being sealed again and the new claim will supersede the old one.
     """
+    NEXT_SAVE_WONT_FIT: _EventKind.ValueType  # 12
+    """The newest claim is bigger than the free bytes (or fewer than two inodes are free) of its
+    filesystem: the trainer's next save like it will fail (path: that claim). Once per episode.
+    """
+    DRAIN_UNFINISHED: _EventKind.ValueType  # 13
+    """The sidecar exited on SIGTERM with claims still not durable (detail: how many, bytes, paths)."""
+    ARTIFACT_RETIRED: _EventKind.ValueType  # 14
+    """Retention deleted the box-side copy of a claim whose durable copy was just re-read equal
+    (path set); the claim stays current, durable_only.
+    """
+    DURABLE_MOVED_ASIDE: _EventKind.ValueType  # 15
+    """A newer copy took a durable path: the older copy now lies in the store's attic (detail: where)."""
+    DURABLE_MISSING: _EventKind.ValueType  # 16
+    """The durable copy of a claim that left the box was no longer at its path."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -130,6 +144,20 @@ ARTIFACT_CHANGED: EventKind.ValueType  # 11
 """A claimed file's bytes were found not to match its claim (by a pull, a release, a write event
 or a rescan); it is being sealed again and the new claim will supersede the old one.
 """
+NEXT_SAVE_WONT_FIT: EventKind.ValueType  # 12
+"""The newest claim is bigger than the free bytes (or fewer than two inodes are free) of its
+filesystem: the trainer's next save like it will fail (path: that claim). Once per episode.
+"""
+DRAIN_UNFINISHED: EventKind.ValueType  # 13
+"""The sidecar exited on SIGTERM with claims still not durable (detail: how many, bytes, paths)."""
+ARTIFACT_RETIRED: EventKind.ValueType  # 14
+"""Retention deleted the box-side copy of a claim whose durable copy was just re-read equal
+(path set); the claim stays current, durable_only.
+"""
+DURABLE_MOVED_ASIDE: EventKind.ValueType  # 15
+"""A newer copy took a durable path: the older copy now lies in the store's attic (detail: where)."""
+DURABLE_MISSING: EventKind.ValueType  # 16
+"""The durable copy of a claim that left the box was no longer at its path."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _JobState:
