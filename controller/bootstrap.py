@@ -56,6 +56,8 @@ def config_for(box: Box) -> pb.SidecarConfig:
         workdir=box.workdir,
         exclude_patterns=list(box.exclude),
         durable_credentials_file=f"{box.state_dir}/{CREDENTIALS_NAME}" if box.durable_credentials else "",
+        keep=box.keep,
+        drain_grace_s=box.drain_grace_s,
     )
 
 

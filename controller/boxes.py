@@ -16,7 +16,18 @@ from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import bootstrap, checks, gate, meterstop, profiles, reach, teardown, templates
+from controller import (
+    bootstrap,
+    checks,
+    gate,
+    gone,
+    lastlist,
+    meterstop,
+    profiles,
+    reach,
+    teardown,
+    templates,
+)
 from controller import durable as durable_url
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector, launch
@@ -88,9 +99,12 @@ async def up(
     box_index: str | None = None,
     state_on_durable: bool = False,
     durable_credentials: Path | None = None,
+    keep: str | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
+    if keep is not None:
+        check_keep(keep)
     if run_id is not None:
         check_run_id(run_id)
     given = [(profile_file, "--profile-file"), (workdir, "--workdir"), *((w, "--watch") for w in watch)]
@@ -154,6 +168,8 @@ async def up(
     for pat in exclude:
         check_exclude(pat)
     live = old if old is not None and old.status != "down" else None  # a box not torn down
+    if live is not None and keep is not None and keep != live.keep:
+        raise UsageError(f"{name} keeps {live.keep or 'every box copy'}; `down` it before changing --keep")
     if live is not None and exclude and tuple(exclude) != live.exclude:
         raise UsageError(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
@@ -182,6 +198,7 @@ async def up(
         run_id=run_id,
         roster=tuple(roster),
         exclude=tuple(exclude) or (live.exclude if live is not None else ()),
+        keep=keep if keep is not None else (live.keep if live is not None else ""),
         host=host or "",
         options=options,
         ssh_config=ssh_config if host else "",
@@ -229,6 +246,7 @@ class UpSpec:
     options: tuple[str, ...]
     ssh_config: str
     credentials: str | None = None  # the text of --durable-credentials (never shown, never kept here)
+    keep: str = ""  # retention rules (`--keep`), checked as text; the sidecar reads them
 
 
 @dataclass(frozen=True)
@@ -340,6 +358,8 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
         roster=spec.roster or (old.roster if old else ()),
         exclude=spec.exclude,
+        keep=spec.keep,
+        drain_grace_s=prof.spot.grace_s,
         pulled_dir=old.pulled_dir if old and not fresh else "",
         notices_shown=bool(old and not fresh and old.notices_shown),
         host=spec.host,
@@ -370,13 +390,23 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
 
 
-DURABLE_STORE_NAMES = frozenset(
-    {".boxwarden-tmp", ".boxwarden-store-id", ".boxwarden-owner", ".boxwarden-attic"}
-)
-"""The durable store's own names at the top of a run's corner (the sidecar's, in its RESERVED_TOP)."""
-RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR, REPLACED_DIR} | DURABLE_STORE_NAMES
+RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR, REPLACED_DIR} | durable_url.STORE_NAMES
 """With several watched dirs, each one's name starts its artifact paths: not one of a pulled tree's
 or the durable store's own (every file below would be unclaimable for good)."""
+
+
+KEEP_RULE = re.compile(r"(last|every)=[1-9][0-9]*|best=[A-Za-z0-9._-]+:[^,:\s]+(:min|:max)?")
+
+
+def check_keep(rules: str) -> None:
+    """Retention rules the sidecar will take: `last=N`, `every=K`, `best=FILE:KEY[:min|max]`,
+    comma-separated (the sidecar reads them; this only refuses what cannot be one)."""
+    for rule in (r.strip() for r in rules.split(",")):
+        if not KEEP_RULE.fullmatch(rule) or rule.startswith("best=.."):
+            raise UsageError(
+                f"--keep rule {rule!r} is not one of last=N, every=K, best=FILE:KEY[:min|max] "
+                "(e.g. --keep last=3,best=metrics.json:loss,every=10)"
+            )
 
 
 def check_exclude(pattern: str) -> None:
@@ -460,10 +490,17 @@ class BoxStatus:
         r.update(
             sidecar=f"{self.hello.version} pid {self.hello.pid}",
             jobs=f"{len(running)} running / {len(self.health.jobs)}",
+            jobs_running=len(running),
+            jobs_total=len(self.health.jobs),
             claims=a.sealed,
             durable=a.durable,
+            # Every durable claim is proven one way or the other: what the store's checksum alone
+            # did not prove was read back.
+            proofs={"reread": a.durable - a.server_checksum, "server-checksum": a.server_checksum},
+            durable_only=a.durable_only,
             not_durable=a.not_durable_bytes,
-            push_lag=f"{a.push_lag_ms / 1000:.1f}s",
+            push_lag_s=a.push_lag_ms / 1000,
+            push_bytes_per_s=round(a.push_bytes_per_s, 1),
             disk_free=min(watch_free) if watch_free else "",
             cpu_percent=round(self.health.self.cpu_percent, 2),
             rss_bytes=self.health.self.rss_bytes,
@@ -507,7 +544,18 @@ def pulled_dir(box: Box, override: Path | None) -> Path | None:
     return Path(box.pulled_dir) if box.pulled_dir else None
 
 
-async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: bool) -> gate.Verdict:
+async def judge(
+    box: Box,
+    pulled: Path | None,
+    *,
+    confirm: str | None,
+    dry_run: bool,
+    state: State | None = None,
+    accept_server_checksum: bool = False,
+    box_gone: bool = False,
+) -> gate.Verdict:
+    """The gate's verdict on the box (see controller.gate). `state`: where the claims list received
+    is kept (and, with `box_gone`, the last one read: controller.gone)."""
     if box.status == "down":
         raise StateError(f"{box.name} is already down")
     if box.status == "meter-unproven":
@@ -517,12 +565,24 @@ async def judge(box: Box, pulled: Path | None, *, confirm: str | None, dry_run: 
         )
     # The meter stop `down` would run must still be the one `up` accepted, and fillable: check it first.
     meterstop.plan(box_profile(box), box)
-    async with reach.link(box) as conn:
-        try:
-            async with SidecarClient(conn=conn) as c:
-                ev, early = await gate.gather(c, box, pulled)
-        except SidecarUnreachable as e:  # the link itself could not be built
-            ev, early = await gate.gather(None, box, pulled, unreachable=str(e))
+    if box_gone and state is None:
+        raise ControllerError("internal: --box-gone judges the claims list kept in the controller state")
+    silent = await teardown.silence(box) if box_gone else ""
+    if silent and state is not None:
+        ev, early = await gone.gather(state, box, pulled, silent)
+    else:
+        keep = lastlist.keeper(state, box) if state is not None else None
+        async with reach.link(box) as conn:
+            try:
+                async with SidecarClient(conn=conn) as c:
+                    ev, early = await gate.gather(c, box, pulled, keep=keep)
+            except SidecarUnreachable as e:  # the link itself could not be built
+                ev, early = await gate.gather(None, box, pulled, unreachable=str(e))
+        if box_gone:
+            early.append(gone.answers_reason(box))
+        else:
+            early = [gone.with_hint(r, box) for r in early]
+    ev.accepted_server_checksum = accept_server_checksum
     return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -27,6 +27,8 @@ UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, g
 MAX_MESSAGE = 8 << 20
 STREAM_IDLE_S = 60.0
 LIST_ATTEMPTS = 3
+DRAIN_DEFAULT_S = 3600  # DrainRequest.timeout_s 0 means this
+DRAIN_SLACK_S = 30.0
 
 
 def translate(err: grpc.aio.AioRpcError, what: str) -> ControllerError:
@@ -247,6 +249,27 @@ class SidecarClient:
     def read_artifact(self, path: str, offset: int, blake3: str) -> AsyncIterator[pb.ReadArtifactChunk]:
         req = pb.ReadArtifactRequest(path=path, offset=offset, blake3=blake3)
         return self._stream(f"ReadArtifact {path}", lambda: self.stub.ReadArtifact(req))
+
+    async def drain(self, *, wait: bool, timeout_s: int) -> AsyncGenerator[pb.DrainProgress, None]:
+        """Ask the sidecar to push every claim not durable yet, newest first; yields what is still
+        at risk: one message at once, then (with `wait`) one a second until the one with `done`.
+
+        An older sidecar that does not know the call answers UNIMPLEMENTED: that is said plainly."""
+        req = pb.DrainRequest(wait=wait, timeout_s=timeout_s)
+        # The sidecar ends the stream itself at timeout_s: a deadline well after it ends one that
+        # keeps talking past it (the idle limit ends one that stops talking).
+        deadline = (timeout_s or DRAIN_DEFAULT_S) + DRAIN_SLACK_S if wait else self.timeout_s + DRAIN_SLACK_S
+        try:
+            async for progress in self._stream("Drain", lambda: self.stub.Drain(req, timeout=deadline)):
+                yield progress
+        except SidecarRefused as e:
+            if e.code != grpc.StatusCode.UNIMPLEMENTED.name:
+                raise
+            raise SidecarRefused(
+                "the box's sidecar is too old for drain (it does not know the Drain call); restart it "
+                "with this controller's version (`boxwarden up` restarts a sidecar of another version)",
+                e.code,
+            ) from e
 
     def tail_log(
         self, job_id: str, offset: int = 0, *, follow: bool = False

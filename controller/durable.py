@@ -19,7 +19,10 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from controller.errors import UsageError
 from controller.pathtext import CONTROL
 
-S3_OPTIONS = ("endpoint_url", "region", "addressing_style")
+S3_OPTIONS = ("endpoint_url", "region", "addressing_style", "proof")
+STORE_NAMES = frozenset({".boxwarden-tmp", ".boxwarden-store-id", ".boxwarden-owner", ".boxwarden-attic"})
+"""The durable store's own names at the top of a run's corner (the sidecar's, in its RESERVED_TOP):
+copies in flight, the store's id, the run's owner, and old copies moved aside. No claim is there."""
 CREDENTIALS_NAME = "durable-credentials"  # the file's name in the sidecar's state dir on the box
 MAX_CREDENTIALS = 64 << 10
 
@@ -64,11 +67,52 @@ def parse(url: str) -> Durable:
                 raise UsageError(
                     f"durable URL {url!r}: unknown option {key!r}; known: {', '.join(S3_OPTIONS)}"
                 )
+            if key == "proof" and value not in ("reread", "server-checksum"):
+                raise UsageError(
+                    f"durable URL {url!r}: proof must be reread (the default: every copy read back whole) "
+                    "or server-checksum (the store's checksum only: cheaper, weaker)"
+                )
             if key == "endpoint_url" and urlsplit(value).scheme not in ("http", "https"):
                 raise UsageError(f"durable URL {url!r}: endpoint_url must be an http(s):// URL")
         return Durable(url, None)
     raise UsageError(
         f"durable URL {url!r}: supported are file:///absolute/dir and s3://BUCKET/PREFIX[?endpoint_url=…]"
+    )
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Where an s3:// store keeps a run's copies: the key of artifact P is `prefix + P`."""
+
+    name: str
+    prefix: str  # "" or ending in "/"
+    endpoint_url: str | None
+    region: str | None
+    addressing_style: str
+
+
+def corner(url: str, scope: tuple[str, ...]) -> Path | Bucket:
+    """Where the copies of one run of a box lie in the store `url` (`scope`: the box's name and the
+    run id, as the sidecar narrows its store): the directory `<dir>/<box>/<run id>` of a file://
+    store, or the bucket and key prefix `<prefix>/<box>/<run id>/` of an s3:// one. The names are
+    used raw: the sidecar quotes them only in the URL it shows (Hello.durable_root)."""
+    d = parse(url)
+    for part in scope:
+        if not part or "/" in part or part in (".", ".."):
+            raise UsageError(f"{part!r} cannot name a directory of the durable store")
+    if d.dir is not None:
+        return d.dir.joinpath(*scope)
+    u = urlsplit(url)
+    query = dict(parse_qsl(u.query, keep_blank_values=True))
+    names = [p for p in unquote(u.path).split("/") if p]
+    if query.get("addressing_style", "auto") not in ("path", "virtual", "auto"):
+        raise UsageError(f"durable URL {url!r}: addressing_style must be path, virtual or auto")
+    return Bucket(
+        name=u.netloc,
+        prefix="".join(f"{p}/" for p in [*names, *scope]),
+        endpoint_url=query.get("endpoint_url") or None,
+        region=query.get("region") or None,
+        addressing_style=query.get("addressing_style") or "auto",
     )
 
 

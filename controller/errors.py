@@ -8,6 +8,7 @@
     ├── SidecarRefused      the sidecar answered with an error status (code kept)
     ├── VersionMismatch     the sidecar runs another version than this controller
     ├── TransferError       a pull failed (bytes did not hash equal, stream broke)
+    │   └── Unavailable     one claim its source cannot give (no durable copy, or one of other bytes)
     └── GateRefused         verify failed or down is not allowed (exit 3); carries the reasons
 """
 
@@ -49,6 +50,10 @@ class VersionMismatch(ControllerError):
 
 class TransferError(ControllerError):
     pass
+
+
+class Unavailable(TransferError):
+    """This claim cannot come from this source: the pull places the others, then fails naming it."""
 
 
 @dataclass(frozen=True, slots=True)

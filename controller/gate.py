@@ -5,20 +5,26 @@ not covered by a claim, and the pulled tree re-verified byte for byte right now 
 a machine-readable reason for each problem, unless everything holds and the user named the box.
 Any doubt refuses: an unreachable sidecar, a missing marker, a marker bound to another manifest, a
 pulled tree that overlaps what it judges. It says only what was checked: the durable line states
-when each copy was last proven, and the evidence digest is a digest of the evidence itself.
+how and when each copy was last proven, and the evidence digest is a digest of the evidence itself.
+
+A copy proven only by its store's checksum (proof "server-checksum") refuses the gate (WEAK_PROOF)
+unless the user accepted that proof (`down --accept-server-checksum`, recorded in the evidence).
+A box whose sidecar does not answer refuses (SIDECAR_UNREACHABLE: it may be a cut link while the
+box still writes), unless the user says the box is gone (`down --box-gone`, `controller.gone`):
+then the evidence is the last claims list received from it and a pull of that list's durable
+copies, and the verdict says so.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__
+from controller import __version__, proofs
 from controller.client import SidecarClient
 from controller.errors import (
     ControllerError,
@@ -28,6 +34,7 @@ from controller.errors import (
     StateError,
     VersionMismatch,
 )
+from controller.lastlist import GoneBox, Keeper
 from controller.overlap import overlap_problem
 from controller.state import Box
 from controller.verify import VerifyReport, loaded_by, read_marker, verify_tree
@@ -65,6 +72,8 @@ class Evidence:
     verify: VerifyReport | None = None
     marker_digest: str = ""
     allow_empty: bool = False
+    accepted_server_checksum: bool = False  # the user's --accept-server-checksum
+    gone: GoneBox | None = None  # --box-gone: judged from the last claims list, the box is gone
 
 
 @dataclass
@@ -76,6 +85,9 @@ class Verdict:
     evidence_digest: str
     box_manifest_digest: str
     confirmed: bool
+    proofs: dict[str, int] = field(default_factory=dict)  # durable claims by proof kind
+    accepted_server_checksum: bool = False
+    gone: GoneBox | None = None
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -86,6 +98,9 @@ class Verdict:
             "evidence_digest": self.evidence_digest,
             "manifest_digest": self.box_manifest_digest,
             "confirmed": self.confirmed,
+            "proofs": self.proofs,
+            "accepted_server_checksum": self.accepted_server_checksum,
+            "box_gone": self.gone.to_json() if self.gone is not None else None,
         }
 
 
@@ -101,8 +116,15 @@ def sidecar_reason(e: ControllerError) -> Reason:
 
 
 async def gather(
-    client: SidecarClient | None, box: Box, pulled_dir: Path | None, *, unreachable: str = ""
+    client: SidecarClient | None,
+    box: Box,
+    pulled_dir: Path | None,
+    *,
+    unreachable: str = "",
+    keep: Keeper | None = None,
 ) -> tuple[Evidence, list[Reason]]:
+    """The box's side of the evidence, asked of its sidecar now, and the pulled tree re-verified.
+    `keep` is handed each complete claims list received (the controller keeps the last one)."""
     ev = Evidence(box=box.name, pulled_dir=str(pulled_dir or ""))
     reasons: list[Reason] = []
     hello: pb.HelloResponse | None = None
@@ -112,30 +134,46 @@ async def gather(
         try:
             hello = await client.hello()
             listing = await client.list_artifacts()
+            if keep is not None:
+                keep(hello, listing)
             jobs = await client.list_jobs()
         except ControllerError as e:
             reasons.append(sidecar_reason(e))
         else:
-            ev.claims = list(listing.claims)
-            ev.box_manifest_digest = listing.manifest_digest
-            ev.pending = list(listing.pending)
-            ev.excluded_files = listing.excluded_files
-            ev.excluded_sample = list(listing.excluded_sample)
-            ev.exclude_patterns = list(hello.exclude_patterns)
+            fill_claims(ev, hello, listing)
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
             ev.strays = list(jobs.strays)
-            ev.watch_dirs = list(hello.watch_dirs)
+    await gather_tree(ev, reasons, box, pulled_dir, hello)
+    return ev, reasons
+
+
+def fill_claims(ev: Evidence, hello: pb.HelloResponse, listing: pb.ListArtifactsResponse) -> None:
+    """The evidence a claims list (and the Hello beside it) gives."""
+    ev.claims = list(listing.claims)
+    ev.box_manifest_digest = listing.manifest_digest
+    ev.pending = list(listing.pending)
+    ev.excluded_files = listing.excluded_files
+    ev.excluded_sample = list(listing.excluded_sample)
+    ev.exclude_patterns = list(hello.exclude_patterns)
+    ev.watch_dirs = list(hello.watch_dirs)
+
+
+async def gather_tree(
+    ev: Evidence, reasons: list[Reason], box: Box, pulled_dir: Path | None, hello: pb.HelloResponse | None
+) -> None:
+    """The pulled tree's side of the evidence: where it lies (`hello`: the box's directories it must
+    not overlap), its marker, and every byte of it hashed again."""
     if pulled_dir is None:
         reasons.append(
             Reason("NOT_PULLED", detail=f"nothing pulled yet: run `boxwarden pull {box.name} --to DIR`")
         )
-        return ev, reasons
+        return
     if hello is not None:
         overlap = overlap_problem(pulled_dir, hello)
         if overlap:
             # A "pulled" tree inside what it judges proves nothing: release would delete its bytes.
             reasons.append(Reason("EVIDENCE_OVERLAP", path=str(pulled_dir), detail=overlap))
-            return ev, reasons
+            return
     try:
         marker = read_marker(pulled_dir)
     except StateError as e:
@@ -157,7 +195,6 @@ async def gather(
         )
     except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
         reasons.append(Reason("NOT_PULLED", detail=str(e)))
-    return ev, reasons
 
 
 def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bool) -> Verdict:
@@ -169,11 +206,25 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         if r.code in ("SIDECAR_UNREACHABLE", "VERSION_MISMATCH", "SIDECAR_REFUSED", "SIDECAR_ERROR")
     ]
     reachable = not failed
-    checks.append(
-        Check(
-            "sidecar answered", reachable, "Hello, ListArtifacts, ListJobs" if reachable else failed[0].code
+    gone = ev.gone
+    live = reachable and gone is None  # the box's state asked now (else: the last list of a gone box)
+    if gone is None:
+        checks.append(
+            Check(
+                "sidecar answered",
+                reachable,
+                "Hello, ListArtifacts, ListJobs" if reachable else failed[0].code,
+            )
         )
-    )
+    else:
+        checks.append(
+            Check(
+                "box gone (--box-gone)",
+                reachable,
+                f"your word, and the sidecar does not answer ({gone.unreachable}); judged: durable bytes "
+                f"from the last claims list received at {gone.received_at}, not the box's live state",
+            )
+        )
 
     if ev.verify is not None:
         v = ev.verify
@@ -200,7 +251,7 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             checks.append(Check("verification marker", False, "missing"))
         else:
             checks.append(Check("verification marker", True, f"bound to manifest {ev.marker_digest[:16]}…"))
-        if reachable:
+        if reachable:  # the box's claims are known: asked now, or its last list (gone)
             stale = []
             if ev.marker_digest and ev.marker_digest != ev.box_manifest_digest:
                 stale.append(f"marker is bound to {ev.marker_digest[:16]}…")
@@ -225,7 +276,7 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
     else:
         checks.append(Check("pulled tree re-verified", False, "no pulled tree"))
 
-    if reachable:
+    if live:
         for j in ev.jobs:
             reasons.append(Reason("JOB_RUNNING", detail=_job_line(ev.box, j)))
         for x in ev.strays:
@@ -260,10 +311,51 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             else "no exclude patterns"
         )
         checks.append(Check("exclusions", True, excluded))
+    elif gone is not None and reachable:
+        lost = (
+            f"{gone.pending} entries not covered by a claim (lost with the box)" if gone.pending else "none"
+        )
+        checks.append(
+            Check(
+                "the box's live state",
+                True,
+                f"not judged: its jobs and watched files went with it; in the last list: {lost}",
+            )
+        )
+    if reachable:
         waiting = [c for c in ev.claims if not c.durable]
         for c in waiting:
             reasons.append(Reason("NOT_DURABLE", path=c.path, detail=c.push_error or "push not proven yet"))
-        checks.append(Check("every claim durable", not waiting, _durable_detail(ev.claims, len(waiting))))
+        checks.append(
+            Check(
+                "every claim durable",
+                not waiting,
+                proofs.durable_detail(ev.claims, len(waiting), gone=gone is not None),
+            )
+        )
+        # A gone box's copies were read and hashed here (the pull from durable, and again at down):
+        # the proof that counts is this controller's own, whatever the sidecar's was.
+        weak = [] if gone is not None else proofs.weak(ev.claims, accepted=ev.accepted_server_checksum)
+        reasons.extend(weak)
+        checks.append(
+            Check(
+                "durable proofs",
+                not weak,
+                proofs.check_detail(ev.claims, accepted=ev.accepted_server_checksum, gone=gone is not None),
+            )
+        )
+    if gone is not None:
+        if not gone.durable_pull:
+            reasons.append(Reason("NOT_PULLED", path=ev.pulled_dir, detail=gone.durable_pull_problem))
+        checks.append(
+            Check(
+                "pulled from durable storage",
+                bool(gone.durable_pull),
+                f"{gone.durable_pull}: every claim of that list read from {gone.durable_root}"
+                if gone.durable_pull
+                else gone.durable_pull_problem,
+            )
+        )
 
     confirmed = confirm == ev.box
     if not dry_run:
@@ -283,6 +375,9 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         evidence_digest=_evidence_digest(ev, reasons),
         box_manifest_digest=ev.box_manifest_digest,
         confirmed=confirmed,
+        proofs=proofs.counts(ev.claims),
+        accepted_server_checksum=ev.accepted_server_checksum,
+        gone=gone,
     )
 
 
@@ -297,20 +392,6 @@ def _dedupe(reasons: list[Reason]) -> list[Reason]:
     return out
 
 
-def _durable_detail(claims: list[pb.Claim], waiting: int) -> str:
-    proofs = [c.proven_at_unix_ns or c.durable_at_unix_ns for c in claims if c.durable]
-    head = f"{len(claims) - waiting}/{len(claims)} durable"
-    if not proofs:
-        return head
-    oldest = min(proofs)
-    age = max(0, time.time_ns() - oldest) // 1_000_000_000
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(oldest / 1e9))
-    return (
-        f"{head}; each copy was re-read from the device and hashed equal, the oldest proof at {when} "
-        f"({age}s ago); `down` proves every copy again before it deletes anything"
-    )
-
-
 def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
     """Everything the verdict rests on, and nothing else (no clock): equal evidence, equal digest."""
     v = ev.verify
@@ -320,7 +401,12 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
         "manifest": ev.box_manifest_digest,
         "marker": ev.marker_digest,
         "allow_empty": ev.allow_empty,
-        "claims": [[c.path, c.size, c.blake3, c.durable, c.proven_at_unix_ns] for c in ev.claims],
+        "claims": [
+            [c.path, c.size, c.blake3, c.durable, c.proven_at_unix_ns, proofs.proof_kind(c), c.durable_only]
+            for c in ev.claims
+        ],
+        "accepted_server_checksum": ev.accepted_server_checksum,
+        "box_gone": ev.gone.to_json() if ev.gone is not None else None,
         "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
         "strays": [[x.pid, x.cwd] for x in ev.strays],
         "pending": [[p.path, int(p.state), p.detail] for p in ev.pending],

@@ -1,21 +1,22 @@
-"""Pull: bring every current claim of a box home, hashing on receipt, and write MANIFEST.json beside it.
+"""Pull: bring every claim of one claims list home from a source of bytes, hashing on receipt, and
+write MANIFEST.json beside them.
+
+The machinery here is the same whatever the bytes come from; a `Source` brings one claim's bytes
+into its part file (`controller.parts`): the box itself (`controller.boxsource`: the sidecar's
+ReadArtifact stream, or the connector's command channel for large files), or the box's durable
+store read from this machine (`controller.fromdurable`, when the box is gone).
 
 Before the first byte is fetched, everything that can be checked is: the tree does not overlap the
 box's own directories (`overlap.py`), it can live where it is asked to, and every claim's path can
 be created (no file where a directory must go, no directory or symlink where a file must go, no name
 too long). The whole pull holds an exclusive lock on the tree's root directory.
 
-Claims of BULK_MIN bytes or more come over the box connector's command channel
-(`controller.rawcopy`: the box-side `sidecar.send` writes them straight into the part file), the
-others through the sidecar's ReadArtifact stream, hashed chunk by chunk as they arrive. A bulk copy
-that does not hash to the claim is fetched again through ReadArtifact, whose reader hashes the
-bytes on the box too (and seals the file again there if they changed).
-
-Each file arrives as `<root>/.bw-parts/<32 hex of blake3(path)>.part` (a name that fits any
-filesystem), opened relative to directory fds and never through a symlink; an interrupted transfer
-resumes from the part file's size (the bytes already there are hashed first). It is renamed into
-place only when its size and blake3 equal the claim; a mismatch after a resumed transfer is fetched
-again once from offset 0. A file already present with the claim's size and digest is skipped.
+Each file arrives in its part file, opened relative to directory fds and never through a symlink;
+an interrupted transfer resumes from the part file's size. It is renamed into place only when its
+size and blake3 equal the claim. A file already present with the claim's size and digest is
+skipped. A claim its source cannot give (`Unavailable`: no durable copy, or one of other bytes) is
+never placed; the others still are, and the pull then fails naming every one of them, without
+writing MANIFEST.json.
 
 A pull never replaces bytes it cannot account for. Before anything is written it refuses a tree
 whose MANIFEST.json (or interrupted pull's record) belongs to another box or run, and a file at a
@@ -35,7 +36,6 @@ import contextlib
 import errno
 import logging
 import os
-import re
 import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,10 +44,8 @@ from typing import Protocol, TypeVar
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import rawcopy
-from controller.client import SidecarClient
-from controller.digest import FileDigest, StreamHasher, digest_fd, digest_file, path_key
-from controller.errors import SidecarUnreachable, StateError, TransferError, UsageError
+from controller.digest import digest_file
+from controller.errors import StateError, TransferError, Unavailable, UsageError
 from controller.manifest import (
     MANIFEST_NAME,
     PARTS_DIR,
@@ -65,16 +63,13 @@ from controller.manifest import (
     write_manifest,
 )
 from controller.overlap import check_claim_paths, destination_problem, overlap_problem, resolve_loose
+from controller.parts import DIR_FLAGS, PLACING_NAME, clear_parts, open_parts_dir, part_name
 
 logger = logging.getLogger(__name__)
 
-ATTEMPTS = 5
 IN_FLIGHT = 4
 """Files transferred at once: over a high-latency link one file at a time waits a round trip per
 file; more would only share the same link."""
-BULK_MIN = 16 << 20
-"""Claims at least this big come over the connector's command channel (`controller.rawcopy`) when
-the pull is given one; smaller ones, and any the bulk path cannot bring intact, through gRPC."""
 T = TypeVar("T")
 
 
@@ -115,16 +110,9 @@ async def in_flight(items: Sequence[T], work: Callable[[T], Awaitable[None]], li
 
 Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
 
-PLACING_NAME = "placing.json"
-# What a pull writes in PARTS_DIR: part files, the placing record, and its atomic-write temp files.
-_OUR_PART = re.compile(r"[0-9a-f]{32}\.part|placing\.json|\.placing\.json\.[^/]*\.tmp")
-"""In PARTS_DIR: the claims a pull is about to put in place, with its box and run."""
 PLACING_SCHEMA = "boxwarden.placing/1"
 SHOWN = 5  # paths named in a message before "and N more"
 NAME_MAX = 255
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 @dataclass
@@ -141,6 +129,9 @@ class PullReport:
     replaced: list[str] = field(default_factory=list)  # pulled earlier, changed on the box since
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
     restarted: list[str] = field(default_factory=list)  # a copy that did not match, fetched again from 0
+    unavailable: dict[str, str] = field(default_factory=dict)  # path -> why its source cannot give it
+    source: str = "box"  # where the bytes came from: "box", or "durable" (the box's durable store)
+    source_detail: str = ""  # for "durable": the store and the claims list read
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -157,41 +148,40 @@ class PullReport:
             "replaced": self.replaced,
             "resumed": self.resumed,
             "restarted": self.restarted,
+            "source": self.source,
+            "source_detail": self.source_detail,
         }
 
 
-async def pull(
-    client: SidecarClient,
-    *,
-    root: Path,
+class Source(Protocol):
+    """Where a pull's bytes come from."""
+
+    name: str  # "box" or "durable": what the report says
+
+    async def fetch(
+        self, claim: pb.Claim, parts_fd: int, progress: Progress | None, report: PullReport
+    ) -> int:
+        """Bring the claim's bytes into its part file (`controller.parts`, resuming from what is
+        there) until they hash equal to the claim; returns the bytes received that the file keeps.
+        TransferError stops the pull; Unavailable says this source cannot give this claim (the
+        other claims still come)."""
+        ...
+
+
+def manifest_of(
+    listing: pb.ListArtifactsResponse,
+    hello: pb.HelloResponse,
     run_id: str,
     instance: str,
     roster: tuple[str, ...],
-    progress: Progress | None = None,
-    hello: pb.HelloResponse | None = None,
-    sender: rawcopy.Runner | None = None,
-) -> PullReport:
-    """Pull every current claim into `root`. `hello`: the box's Hello answer (asked here if None).
-    `sender`: the box's connector, to bring large claims over its command channel (see BULK_MIN).
-
-    UsageError (nothing written) for a tree that overlaps the box's directories, cannot live at
-    `root`, belongs to another box or run, or holds bytes at a claim's path that no pull of this box
-    put there; TransferError for a claim that cannot be written or did not arrive intact.
-    """
-    if hello is None:
-        hello = await client.hello()
-    root = resolve_loose(root)
-    problem = overlap_problem(root, hello) or destination_problem(root)
-    if problem:
-        raise UsageError(f"refusing to pull: {problem}")
-    listing = await client.list_artifacts()
-    claims = list(listing.claims)
+) -> Manifest:
+    """The manifest of a claims list, checked against the digest its sidecar computed."""
     watch_names = [Path(d).name for d in hello.watch_dirs] if len(hello.watch_dirs) >= 2 else []
     files = tuple(
         ManifestFile(
             path=c.path, bytes=c.size, blake3=c.blake3, sealed_at=utc_iso_from_unix_ns(c.sealed_at_unix_ns)
         )
-        for c in claims
+        for c in listing.claims
     )
     manifest = Manifest.build(run_id, instance, files, roster, watch_names)
     if manifest.digest != listing.manifest_digest:
@@ -199,6 +189,34 @@ async def pull(
             "the sidecar's manifest digest does not match its own claims as computed here; "
             "controller and sidecar disagree on the digest rule (version skew?)"
         )
+    return manifest
+
+
+async def pull_claims(
+    source: Source,
+    listing: pb.ListArtifactsResponse,
+    hello: pb.HelloResponse,
+    *,
+    root: Path,
+    run_id: str,
+    instance: str,
+    roster: tuple[str, ...],
+    progress: Progress | None = None,
+) -> PullReport:
+    """Pull every claim of `listing` (the box's claims list, `hello` its Hello answer) into `root`
+    from `source`.
+
+    UsageError (nothing written) for a tree that overlaps the box's directories, cannot live at
+    `root`, belongs to another box or run, or holds bytes at a claim's path that no pull of this box
+    put there; TransferError for a claim that cannot be written or did not arrive intact, or (once
+    every other claim is in place) for the claims the source could not give.
+    """
+    root = resolve_loose(root)
+    problem = overlap_problem(root, hello) or destination_problem(root)
+    if problem:
+        raise UsageError(f"refusing to pull: {problem}")
+    claims = list(listing.claims)
+    manifest = manifest_of(listing, hello, run_id, instance, roster)
     check_claim_paths(root, [c.path for c in claims])
     created = _make_root(root)
     try:
@@ -207,28 +225,26 @@ async def pull(
         _remove_empty(created)
         raise
     try:
-        bulk = _Bulk(sender, tuple(hello.watch_dirs)) if sender is not None else None
-        return await _pull_locked(client, root, root_fd, claims, manifest, progress, bulk)
+        return await _pull_locked(source, root, root_fd, claims, manifest, progress)
     finally:
         os.close(root_fd)
 
 
 async def _pull_locked(
-    client: SidecarClient,
+    source: Source,
     root: Path,
     root_fd: int,
     claims: list[pb.Claim],
     manifest: Manifest,
     progress: Progress | None,
-    bulk: _Bulk | None,
 ) -> PullReport:
-    report = PullReport(root=root, manifest=manifest)
+    report = PullReport(root=root, manifest=manifest, source=source.name)
     placing = _placing(root, manifest)
     earlier = _recorded(root, manifest)
     known = {(f.path, f.bytes, f.blake3) for f in earlier.values()} | placing
     present, older = _survey(root, claims, manifest, known)
     report.replaced = sorted(older)
-    parts_fd = _open_parts_dir(root, root_fd)
+    parts_fd = open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
         todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
@@ -244,8 +260,12 @@ async def _pull_locked(
                 if progress:
                     progress.update(claim.path, claim.size, claim.size)
                 return
-            # Not `+= await`: that reads the total before the await, and transfers run at once.
-            got = await _fetch(client, claim, parts_fd, progress, report, bulk)
+            try:
+                # Not `+= await`: that reads the total before the await, and transfers run at once.
+                got = await source.fetch(claim, parts_fd, progress, report)
+            except Unavailable as e:
+                report.unavailable[claim.path] = str(e)
+                return
             report.bytes_fetched += got
             # Everything below runs without an await: no other transfer comes between.
             parent_fd = _open_parent(root, root_fd, dirs)
@@ -253,7 +273,7 @@ async def _pull_locked(
                 if claim.path in older:
                     _keep_replaced(root, root_fd, claim.path, parent_fd, older[claim.path])
                 try:
-                    os.replace(_part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
+                    os.replace(part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
                     os.fsync(parent_fd)
                 except OSError as exc:
                     raise TransferError(
@@ -267,17 +287,31 @@ async def _pull_locked(
         await in_flight(claims, one, IN_FLIGHT)
         report.fetched.sort()
         report.skipped.sort()
+        if report.unavailable:
+            raise _unavailable(root, report)
         extra = _extra_local(root, claim_paths)
         retired = _still_as_pulled(root, extra, earlier)
         report.retired = [f.path for f in retired]
         report.extra_local = sorted(set(extra) - set(report.retired))
         write_manifest(root, manifest.with_retired(retired))
-        report.parts_removed = _clear_parts(parts_fd)
+        report.parts_removed = clear_parts(parts_fd)
     finally:
         os.close(parts_fd)
         with contextlib.suppress(OSError):  # not empty: an interrupted pull left parts to resume from
             os.rmdir(PARTS_DIR, dir_fd=root_fd)
     return report
+
+
+def _unavailable(root: Path, report: PullReport) -> TransferError:
+    """Fail closed: the tree lacks claims, so no MANIFEST.json says it is whole."""
+    missing = sorted(report.unavailable)
+    shown = "; ".join(f"{p}: {report.unavailable[p]}" for p in missing[:SHOWN])
+    more = f"; and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+    return TransferError(
+        f"{len(missing)} of {len(report.manifest.files)} claims could not come from {report.source} "
+        f"and were not placed ({len(report.fetched)} fetched, {len(report.skipped)} already in {root}; "
+        f"no {MANIFEST_NAME} written, so the tree does not verify): {shown}{more}"
+    )
 
 
 def _make_root(root: Path) -> list[Path]:
@@ -308,30 +342,6 @@ def _remove_empty(created: list[Path]) -> None:
             d.rmdir()
 
 
-def _open_parts_dir(root: Path, root_fd: int) -> int:
-    where = root / PARTS_DIR
-    with contextlib.suppress(FileExistsError):
-        try:
-            os.mkdir(PARTS_DIR, 0o700, dir_fd=root_fd)
-        except OSError as exc:
-            if exc.errno == errno.EEXIST:
-                raise
-            raise TransferError(f"cannot create {where}: {exc.strerror or exc}") from exc
-    try:
-        fd = os.open(PARTS_DIR, _DIR_FLAGS, dir_fd=root_fd)
-    except OSError as exc:
-        raise TransferError(
-            f"{where} is not a directory of ours ({exc.strerror or exc}): remove it and run pull again"
-        ) from exc
-    st = os.fstat(fd)
-    if st.st_uid != os.getuid():
-        os.close(fd)
-        raise TransferError(f"{where} belongs to uid {st.st_uid}, not to you: remove it and run pull again")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.fchmod(fd, 0o700)
-    return fd
-
-
 def _open_parent(root: Path, root_fd: int, dirs: list[str]) -> int:
     """An fd of the claim's parent directory, creating what is missing, never through a symlink."""
     fd = os.dup(root_fd)
@@ -341,7 +351,7 @@ def _open_parent(root: Path, root_fd: int, dirs: list[str]) -> int:
             here = here / part
             with contextlib.suppress(FileExistsError):
                 os.mkdir(part, 0o755, dir_fd=fd)
-            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nxt
     except OSError as exc:
@@ -531,230 +541,6 @@ def _local_digest(path: Path) -> str | None:
     except OSError as exc:
         logger.info("%s: could not be hashed (%s)", path, exc)
         return None
-
-
-def _part_name(claim: pb.Claim) -> str:
-    return f"{path_key(claim.path)}.part"
-
-
-@dataclass(frozen=True)
-class _Bulk:
-    sender: rawcopy.Runner
-    watch_dirs: tuple[str, ...]  # as the sidecar's Hello names them: the box-side sender's roots
-
-
-async def _fetch(
-    client: SidecarClient,
-    claim: pb.Claim,
-    parts_fd: int,
-    progress: Progress | None,
-    report: PullReport,
-    bulk: _Bulk | None,
-) -> int:
-    """Fetch the claim into its part file (resuming); returns the bytes received that the file keeps."""
-    start = _part_size(parts_fd, claim)
-    if start:
-        report.resumed[claim.path] = start
-    breaks = 0
-    restarted = False
-    use_bulk = bulk is not None and claim.size >= BULK_MIN
-    while True:
-        generation = client.generation
-        try:
-            if bulk is not None and use_bulk:
-                try:
-                    offset, total, digest = await _fetch_once_bulk(bulk, claim, parts_fd, progress)
-                except rawcopy.SendRefused as e:
-                    logger.info("%s; reading it through the sidecar", e)
-                    use_bulk = False
-                    continue
-            else:
-                offset, total, digest = await _fetch_once(client, claim, parts_fd, progress)
-        except SidecarUnreachable as e:
-            breaks += 1
-            if breaks >= ATTEMPTS:
-                raise TransferError(
-                    f"{claim.path}: the stream broke {ATTEMPTS} times ({e}); run pull again to resume"
-                ) from e
-            logger.warning("%s: stream broke (%s), resuming", claim.path, e)
-            with contextlib.suppress(SidecarUnreachable):  # not yet: the next attempt tries again
-                await client.reconnect(generation)
-            continue
-        if total == claim.size and digest == claim.blake3:
-            return total - start
-        if use_bulk or (offset and not restarted):
-            # A bulk copy of other bytes: the sidecar's own read checks them on the box (and seals
-            # the file again there if they changed). A resumed copy: the bytes kept from before may
-            # be what is wrong. Either way the whole file once more, from 0.
-            how = "bulk copy" if use_bulk else "resumed copy"
-            logger.warning("%s: the %s hashed %s…, fetching it again from 0", claim.path, how, digest[:12])
-            use_bulk = False
-            report.restarted.append(claim.path)
-            report.bytes_discarded += total - start
-            start = 0
-            restarted = True
-            _truncate_part(parts_fd, claim)
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(_part_name(claim), dir_fd=parts_fd)
-        raise TransferError(
-            f"{claim.path}: received {total} bytes hashing {digest[:12]}…, the claim is {claim.size} bytes "
-            f"{claim.blake3[:12]}…; the partial copy was removed, run pull again"
-        )
-
-
-def _part_size(parts_fd: int, claim: pb.Claim) -> int:
-    """The bytes a transfer of the claim will resume from (its part file's size, 0 if it has none)."""
-    try:
-        st = os.stat(_part_name(claim), dir_fd=parts_fd, follow_symlinks=False)
-    except OSError:
-        return 0
-    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_size <= claim.size else 0
-
-
-def _open_part(parts_fd: int, claim: pb.Claim) -> int:
-    part = _part_name(claim)
-    try:
-        try:
-            fd = os.open(part, _PART_FLAGS, dir_fd=parts_fd)
-        except FileNotFoundError:
-            fd = os.open(part, _PART_FLAGS | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=parts_fd)
-    except OSError as exc:
-        raise TransferError(
-            f"{PARTS_DIR}/{part} (partial copy of {claim.path}): cannot open it ({exc.strerror or exc}); "
-            "remove it and run pull again"
-        ) from exc
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-        os.close(fd)
-        raise TransferError(
-            f"{PARTS_DIR}/{part} (partial copy of {claim.path}) is not a plain file of ours; "
-            "remove it and run pull again"
-        )
-    return fd
-
-
-def _truncate_part(parts_fd: int, claim: pb.Claim) -> None:
-    fd = _open_part(parts_fd, claim)
-    try:
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
-
-
-async def _fetch_once(
-    client: SidecarClient, claim: pb.Claim, parts_fd: int, progress: Progress | None
-) -> tuple[int, int, str]:
-    """One transfer into the part file; returns (offset resumed from, total, digest)."""
-    fd = _open_part(parts_fd, claim)
-    try:
-        offset = os.fstat(fd).st_size
-        if offset > claim.size:
-            os.ftruncate(fd, 0)
-            offset = 0
-        hasher = StreamHasher()
-        # Resume: the bytes already here are part of the digest too.
-        while chunk := os.pread(fd, 8 << 20, hasher.bytes_seen):
-            hasher.update(chunk)
-        if hasher.bytes_seen != offset:
-            raise TransferError(f"the partial copy of {claim.path} changed while being resumed")
-        received = 0
-        pending: asyncio.Future[None] | None = None
-        try:
-            async for msg in client.read_artifact(claim.path, offset, claim.blake3):
-                if msg.offset != offset + received:
-                    raise TransferError(f"{claim.path}: chunk at {msg.offset}, expected {offset + received}")
-                if pending is not None:
-                    await pending
-                # Written and hashed off the event loop, while the next chunk arrives.
-                pending = asyncio.ensure_future(asyncio.to_thread(_keep, fd, hasher, msg.data, msg.offset))
-                received += len(msg.data)
-                if progress:
-                    progress.update(claim.path, offset + received, claim.size)
-            if pending is not None:
-                await pending  # the last chunk's write: its error surfaces here
-                pending = None
-        finally:
-            if pending is not None:  # the stream broke: the write in flight ends before the fd closes
-                await asyncio.wait({pending})
-            os.fsync(fd)
-        return offset, offset + received, hasher.hexdigest()
-    except OSError as exc:
-        raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-
-
-async def _fetch_once_bulk(
-    bulk: _Bulk, claim: pb.Claim, parts_fd: int, progress: Progress | None
-) -> tuple[int, int, str]:
-    """One transfer over the connector's command channel; returns (offset resumed from, total, digest),
-    the digest of the whole part file as it lies on disk."""
-    fd = _open_part(parts_fd, claim)
-    try:
-        offset = os.fstat(fd).st_size
-        if offset > claim.size:
-            os.ftruncate(fd, 0)
-            offset = 0
-
-        def arrived(got: int) -> None:
-            if progress:
-                progress.update(claim.path, offset + got, claim.size)
-
-        try:
-            await rawcopy.receive(
-                bulk.sender, claim.path, bulk.watch_dirs, fd, offset, claim.size - offset, arrived
-            )
-        except BaseException:
-            os.fsync(fd)  # what arrived is kept for the next attempt
-            raise
-        # Hashed as it lies on disk, by a child that maps it (as b3sum does), while it is synced;
-        # both end before the fd closes, whichever fails.
-        found, synced = await asyncio.gather(
-            asyncio.to_thread(digest_fd, fd, f"{PARTS_DIR}/{_part_name(claim)}"),
-            asyncio.to_thread(os.fsync, fd),
-            return_exceptions=True,
-        )
-        for outcome in (synced, found):
-            if isinstance(outcome, BaseException):
-                raise outcome
-        assert isinstance(found, FileDigest)
-        return offset, found.bytes, found.blake3
-    except OSError as exc:
-        raise TransferError(f"{claim.path}: writing the partial copy failed: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-
-
-def _keep(fd: int, hasher: StreamHasher, data: bytes, offset: int) -> None:
-    _pwrite_all(fd, memoryview(data), offset)
-    hasher.update(data)
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _clear_parts(parts_fd: int) -> int:
-    """Every claim is in place and recorded: nothing in PARTS_DIR will be resumed. Empty it; returns
-    how many leftovers (entries other than this pull's own record) went."""
-    removed = 0
-    for name in os.listdir(parts_fd):
-        if not _OUR_PART.fullmatch(name):
-            logger.warning("%s/%s: not a file pull makes; left alone", PARTS_DIR, name)
-            continue
-        try:
-            if not stat.S_ISREG(os.stat(name, dir_fd=parts_fd, follow_symlinks=False).st_mode):
-                logger.warning("%s/%s: not a regular file; left alone", PARTS_DIR, name)
-                continue
-            os.unlink(name, dir_fd=parts_fd)
-        except OSError as exc:
-            logger.warning("%s/%s: cannot remove it: %s", PARTS_DIR, name, exc.strerror or exc)
-            continue
-        removed += name != PLACING_NAME
-    return removed
 
 
 def _extra_local(root: Path, wanted: set[str]) -> list[str]:

@@ -15,10 +15,13 @@ from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
+from controller import lastlist
+from controller.boxsource import pull
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector
+from controller.lastlist import Keeper
 from controller.pathtext import check_path_text
-from controller.pull import Progress, PullReport, pull
+from controller.pull import Progress, PullReport
 from controller.state import Box, State
 
 if TYPE_CHECKING:
@@ -66,10 +69,12 @@ async def connect(box: Box) -> AsyncIterator[SidecarClient]:
 
 async def pull_box(state: State, box: Box, to: Path, progress: Progress | None = None) -> PullReport:
     """Pull the box's claims into `to` (see controller.pull); large ones come over the connector's
-    command channel, the rest through the sidecar."""
+    command channel, the rest through the sidecar. The claims list is kept (controller.lastlist)."""
     check_path_text(to.resolve(), "the pull target")
     async with link(box) as conn, SidecarClient(conn=conn) as c:
         hello = await c.hello()
+        listing = await c.list_artifacts()
+        state.keep_last_list(lastlist.of(box, hello, listing))
         rep = await pull(
             c,
             root=to,
@@ -78,24 +83,39 @@ async def pull_box(state: State, box: Box, to: Path, progress: Progress | None =
             roster=box.roster,
             progress=progress,
             hello=hello,
+            listing=listing,
             sender=conn,
         )
     state.set_pulled_dir(box.name, str(to.resolve()))
     return rep
 
 
-async def artifacts(box: Box) -> pb.ListArtifactsResponse:
+async def artifacts(box: Box, keep: Keeper | None = None) -> pb.ListArtifactsResponse:
+    """The box's claims list; `keep` is handed it with the Hello (the controller keeps the last)."""
     async with connect(box) as c:
-        await c.hello()
-        return await c.list_artifacts()
+        hello = await c.hello()
+        listing = await c.list_artifacts()
+    if keep is not None:
+        keep(hello, listing)
+    return listing
 
 
-async def artifact_pages(box: Box) -> AsyncIterator[pb.ListArtifactsResponse | None]:
-    """The listing's pages as they arrive (see SidecarClient.artifact_pages)."""
+async def artifact_pages(
+    box: Box, keep: Keeper | None = None
+) -> AsyncIterator[pb.ListArtifactsResponse | None]:
+    """The listing's pages as they arrive (see SidecarClient.artifact_pages); once the last one
+    arrived, `keep` is handed the whole list."""
+    pages: list[pb.ListArtifactsResponse] = []
     async with connect(box) as c:
-        await c.hello()
+        hello = await c.hello()
         async for page in c.artifact_pages():
+            if page is None:
+                pages.clear()
+            else:
+                pages.append(page)
             yield page
+    if keep is not None and pages:
+        keep(hello, lastlist.merged(pages))
 
 
 async def stop_job(box: Box, job_id: str, grace_s: int) -> pb.Job:

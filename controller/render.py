@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller.proofs import proof_kind
 
 # rich is imported where it is used (about 0.1 s): a `--json` command never loads it, and a command
 # that prints no table or progress bar loads only its console.
@@ -21,6 +23,7 @@ if TYPE_CHECKING:  # annotations only: `artifacts --json` must not pay for impor
 
     from controller.bootstrap import UpResult
     from controller.checks import Finding
+    from controller.drain import DrainReport
     from controller.errors import Reason
     from controller.gate import Verdict
     from controller.profiles import Profile
@@ -138,45 +141,139 @@ def job_stopped(job: pb.Job) -> None:
     info(f"job [bold]{esc(job.id)}[/] {job_state(job)}{code}")
 
 
-STATUS_COLUMNS = (
-    ("box", "box"),
-    ("profile", "profile"),
-    ("sidecar", "sidecar"),
-    ("jobs", "jobs"),
-    ("claims", "claims"),
-    ("durable", "durable"),
-    ("not durable", "not_durable"),
-    ("push lag", "push_lag"),
-    ("disk free", "disk_free"),
-)
+def human_duration(s: float) -> str:
+    """Seconds as a person reads them: "0.4s", "42s", "3m04s", "2h05m"."""
+    if s < 10:
+        return f"{s:.1f}s"
+    n = round(s)
+    if n < 60:
+        return f"{n}s"
+    if n < 3600:
+        return f"{n // 60}m{n % 60:02d}s"
+    return f"{n // 3600}h{n // 60 % 60:02d}m"
+
+
+def human_rate(bytes_per_s: float) -> str:
+    """A measured bandwidth to three figures ("45.2 MiB/s", "118 MiB/s"); "-" before anything was
+    measured (0)."""
+    if bytes_per_s <= 0:
+        return "-"
+    n, units = bytes_per_s, ("B/s", "KiB/s", "MiB/s", "GiB/s", "TiB/s")
+    for unit in units:
+        if n < 1024 or unit == units[-1]:
+            return f"{n:.0f} {unit}" if n >= 100 else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def proof_kinds(proofs: dict[str, int]) -> str:
+    """ "3 reread, 1 server-checksum": the kinds with a count, in that order; "" for none."""
+    return ", ".join(f"{n} {kind}" for kind, n in proofs.items() if n)
+
+
+STATUS_COLUMNS = ("box", "sidecar", "jobs", "durable", "not durable", "push rate", "disk free")
+
+
+def status_cells(r: dict[str, object]) -> tuple[list[list[str]], str]:
+    """One `status` row as the table's cells, each a few short lines (so that seven columns fit in
+    80), and the sidecar's long story (unreachable since when and why, a teardown left unfinished)
+    for a note under the table ("" when there is none)."""
+    sidecar = str(r.get("sidecar", ""))
+    short = sidecar.split(" (", 1)[0].split(": ", 1)[0]
+    note = sidecar if short != sidecar else ""
+    box = [str(r["box"]), str(r.get("profile", ""))]
+    if "claims" not in r:  # not asked (not up) or no answer: only what the controller knows
+        return [box, [short], [], [], [], [], []], note
+    running, total = _count(r, "jobs_running"), _count(r, "jobs_total")
+    jobs = [f"{running} running", f"of {total}"] if total != running else [f"{running} running"]
+    proofs = r.get("proofs")
+    kinds = proof_kinds(proofs).split(", ") if isinstance(proofs, dict) and any(proofs.values()) else []
+    durable = [f"{_count(r, 'durable')} of {_count(r, 'claims')}", *kinds]
+    if _count(r, "durable_only"):
+        durable.append(f"{_count(r, 'durable_only')} durable-only")
+    risk = [human_bytes(_count(r, "not_durable"))]
+    lag = r.get("push_lag_s")
+    if isinstance(lag, (int, float)) and lag > 0:
+        risk.append(f"lag {human_duration(lag)}")
+    rate = r.get("push_bytes_per_s")
+    free = r.get("disk_free")
+    return [
+        box,
+        [short.split(" pid ", 1)[0]],  # its pid is in `status --json`
+        jobs if total else ["none"],
+        durable,
+        risk,
+        [human_rate(rate) if isinstance(rate, (int, float)) else ""],
+        [human_bytes(free) if isinstance(free, int) else ""],
+    ], note
+
+
+def _count(r: dict[str, object], key: str) -> int:
+    v = r.get(key)
+    return v if isinstance(v, int) else 0
+
+
+STATUS_FIGURES = frozenset({"jobs", "not durable", "push rate", "disk free"})
+"""Columns whose lines are a figure and its unit ("117.7 MiB"): split only when nothing else helps."""
 
 
 def status(rows: Sequence[dict[str, object]]) -> None:
-    t = _table("boxes")
-    for title, _key in STATUS_COLUMNS:
-        t.add_column(title, no_wrap=True)
+    from rich.markup import escape
+
+    cells, notes = [], []
     for r in rows:
-        cells = []
-        for _title, key in STATUS_COLUMNS:
-            v = r.get(key, "")
-            cells.append(
-                human_bytes(v) if key in ("not_durable", "disk_free") and isinstance(v, int) else str(v)
-            )
-        t.add_row(*(esc(c) for c in cells))
-    _console().print(t)
+        row, note = status_cells(r)
+        cells.append([[safe(line) for line in cell] for cell in row])
+        if note:
+            notes.append(f"{esc(str(r['box']))}: {esc(note)}")
+    c = _console()
+    t = _table("boxes")
+    t.box, t.show_edge, t.pad_edge = None, False, False  # two spaces between columns
+    widths = []
+    for i, title in enumerate(STATUS_COLUMNS):
+        lines = [line for row in cells for line in row[i]]
+        words = max(len(w) for line in [*lines, title] for w in line.split())
+        longest = max(map(len, lines), default=0)
+        figures = longest if title in STATUS_FIGURES else 0
+        widths.append((max(len(title), longest), max(longest, words), max(figures, words), words))
+    fitted = fit_widths(widths, c.width - 2 * (len(widths) - 1))
+    for title, width in zip(STATUS_COLUMNS, fitted, strict=True):
+        t.add_column(title, width=width, overflow="fold")
+    for row in cells:
+        t.add_row(*("\n".join(escape(line) for line in cell) for cell in row))
+    c.print(t)
+    for n in notes:
+        c.print(n)
+
+
+def fit_widths(columns: Sequence[tuple[int, ...]], room: int) -> list[int]:
+    """Column widths within `room`, from each column's natural width and the floors it may be
+    narrowed to, in turn (wrapped titles; then cells wrapped at their spaces, a figure kept with its
+    unit; then only never through a word): at each floor the widest column gives a character at a
+    time; past the last floor, wider than `room`."""
+    widths = [c[0] for c in columns]
+    for floor in range(1, len(columns[0]) if columns else 0):
+        while sum(widths) > room:
+            narrowable = [i for i, w in enumerate(widths) if w > columns[i][floor]]
+            if not narrowable:
+                break
+            widths[max(narrowable, key=lambda i: widths[i])] -= 1
+    return widths
 
 
 def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
     t = _table(f"{box}: {len(listing.claims)} claims, manifest {listing.manifest_digest[:16]}…")
-    for col in ("path", "bytes", "blake3", "durable", "sealed"):
+    for col in ("path", "bytes", "blake3", "durable", "proof", "sealed"):
         t.add_column(col)
     for c in listing.claims:
         sealed = time.strftime("%H:%M:%S", time.localtime(c.sealed_at_unix_ns / 1e9))
+        durable = "yes" if c.durable else esc(f"no {c.push_error}")
         t.add_row(
             esc(c.path),
             str(c.size),
             c.blake3[:16] + "…",
-            "yes" if c.durable else esc(f"no {c.push_error}"),
+            durable + (" (only: box copy deleted)" if c.durable_only else ""),
+            esc(proof_kind(c)),
             sealed,
         )
     _console().print(t)
@@ -240,6 +337,83 @@ class TransferProgress:
             self.console.print(f"  \\[{len(self.done)}] {esc(path)} ({human_bytes(size)})")
 
 
+def at_risk_line(box: str, p: pb.DrainProgress) -> str:
+    """What a kill of the box now would lose, in one line (plain text, not escaped)."""
+    if not p.at_risk_files and not p.pending:
+        return f"{box}: nothing at risk: every claim is durable and nothing waits to be sealed"
+    parts = []
+    if p.at_risk_files:
+        s = "" if p.at_risk_files == 1 else "s"
+        parts.append(f"{p.at_risk_files} file{s} ({human_bytes(p.at_risk_bytes)}) not durable yet")
+        if p.estimated_s < 0:
+            parts.append("time to push unknown (no push measured yet)")
+        else:
+            parts.append(f"about {human_duration(p.estimated_s)} at {human_rate(p.push_bytes_per_s)}")
+    if p.pending:
+        s = "y" if p.pending == 1 else "ies"
+        parts.append(f"{p.pending} entr{s} not sealed yet (being written, changed or temp-named)")
+    return f"{box}: at risk: " + "; ".join(parts)
+
+
+def drain_report(rep: DrainReport) -> None:
+    p, c = rep.last, _console()
+    style = "green" if rep.safe else "bold red"
+    c.print(f"[{style}]{esc(at_risk_line(rep.box, p))}[/]")
+    for claim in p.at_risk:
+        why = f"push error: {claim.push_error}" if claim.push_error else "not pushed yet"
+        c.print(f"  {esc(claim.path)} ({human_bytes(claim.size)}): {esc(why)}")
+    if p.at_risk_files > len(p.at_risk):
+        c.print(f"  … and {p.at_risk_files - len(p.at_risk)} more (`boxwarden artifacts {esc(rep.box)}`)")
+    if p.pending:
+        c.print(f"  entries not sealed yet: `boxwarden artifacts {esc(rep.box)}` lists them")
+    if rep.waited and not rep.safe:
+        c.print(
+            f"still at risk after {human_duration(rep.elapsed_s)} (the drain's timeout was "
+            f"{rep.timeout_s}s); the sidecar keeps retrying the pushes"
+        )
+
+
+PLAIN_EVERY_S = 10.0
+
+
+@contextmanager
+def drain_progress(box: str) -> Iterator[Callable[[pb.DrainProgress], None]]:
+    """What `drain --wait` shows while it waits: on a terminal a transient bar on stderr (bytes
+    made durable of the most seen at risk), elsewhere a plain line when the figures change (at
+    least every 10 s while they do not)."""
+    c = _console()
+    if not c.is_terminal:
+        shown: tuple[int, ...] = ()
+        shown_at = 0.0
+
+        def line(p: pb.DrainProgress) -> None:
+            nonlocal shown, shown_at
+            figures = (p.at_risk_files, p.pending, p.at_risk_bytes)
+            if p.done or (figures == shown and time.monotonic() - shown_at < PLAIN_EVERY_S):
+                return  # the last word is the report's
+            shown, shown_at = figures, time.monotonic()
+            c.print(safe(at_risk_line(box, p)), markup=False)
+
+        yield line
+        return
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), console=c, transient=True
+    )
+    with bar:
+        task = bar.add_task(f"draining {esc(box)}", total=None)
+        peak = 0
+
+        def update(p: pb.DrainProgress) -> None:
+            nonlocal peak
+            peak = max(peak, p.at_risk_bytes)
+            what = esc(at_risk_line(box, p))
+            bar.update(task, description=what, total=peak or None, completed=peak - p.at_risk_bytes)
+
+        yield update
+
+
 def pull_report(rep: PullReport) -> None:
     line = (
         f"pulled into {esc(str(rep.root))}: {len(rep.fetched)} fetched ({human_bytes(rep.bytes_fetched)}), "
@@ -254,6 +428,8 @@ def pull_report(rep: PullReport) -> None:
         n = rep.parts_removed
         line += f"; removed {n} leftover partial cop{'y' if n == 1 else 'ies'} that no claim needs"
     info(line)
+    if rep.source_detail:
+        info(f"read from durable storage: {esc(rep.source_detail)}")
     if rep.replaced:
         info(
             f"replaced {len(rep.replaced)} file(s) an earlier pull put here with the box's newer bytes "
@@ -299,9 +475,13 @@ def verdict(v: Verdict, *, dry_run: bool) -> None:
         t.add_row(ch.name, "[green]ok[/]" if ch.ok else "[red]FAIL[/]", esc(ch.detail))
     c.print(t)
     if v.allowed:
+        how = (
+            f"`down {v.box} --confirm {v.box} --box-gone` first reads every durable copy back here"
+            if v.gone is not None
+            else f"`down {v.box} --confirm {v.box}` first proves every durable copy again by reading it back"
+        )
         tail = (
-            f" (dry run: nothing was done; `down {v.box} --confirm {v.box}` first proves every durable "
-            "copy again by reading it back, and refuses if one no longer hashes equal)"
+            f" (dry run: nothing was done; {how}, and refuses if one no longer hashes equal)"
             if dry_run
             else ""
         )
@@ -321,6 +501,8 @@ def teardown(res: TeardownResult) -> None:
         f"meter stop: {meter}; {'[bold green]gone[/]' if res.gone else '[bold red]NOT proven gone[/]'}; "
         f"audit record #{res.audit_id}"
     )
+    if res.judged:
+        info(f"judged: {esc(res.judged)}")
     for k in res.kept:
         warn(f"kept on the box: {k}")
     if m is not None and m.note:

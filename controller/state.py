@@ -4,7 +4,10 @@ It remembers each box (how to reach its sidecar, what it watches, its roster, wh
 the steps of a teardown that has not finished (each recorded before it is taken, so that a `down`
 killed at any instruction leaves a trace that `status` shows and the next `down` continues from),
 and keeps the teardown audit log; `exclusive` is the per-box lock that lets one `down` run at a
-time. It never holds claims: those live on the box and are always asked for fresh.
+time. Claims live on the box and are asked for fresh by every command that can reach it; the last
+complete claims list received from each box is kept too (`controller.lastlist`), as evidence of
+what the box claimed then: it is read only when the box is gone (`pull --from durable`, `down
+--box-gone`), never in place of asking a box that answers.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+from google.protobuf.message import DecodeError
+
 from controller.errors import ControllerError, StateError
+from controller.lastlist import DurablePull, LastList
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS boxes(name TEXT PRIMARY KEY, record TEXT NOT NULL, updated_at_ns INTEGER NOT NULL);
@@ -32,6 +39,13 @@ CREATE TABLE IF NOT EXISTS teardown_steps(
 CREATE TABLE IF NOT EXISTS events(
     box TEXT NOT NULL, run_id TEXT NOT NULL, seq INTEGER NOT NULL, at_ns INTEGER NOT NULL,
     record TEXT NOT NULL, PRIMARY KEY (box, run_id, seq));
+CREATE TABLE IF NOT EXISTS last_claims(
+    box TEXT PRIMARY KEY, run_id TEXT NOT NULL, received_at_ns INTEGER NOT NULL,
+    manifest_digest TEXT NOT NULL, durable_url TEXT NOT NULL, durable_root TEXT NOT NULL,
+    hello BLOB NOT NULL, listing BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS durable_pulls(
+    box TEXT PRIMARY KEY, run_id TEXT NOT NULL, manifest_digest TEXT NOT NULL,
+    list_received_at_ns INTEGER NOT NULL, pulled_dir TEXT NOT NULL, at_ns INTEGER NOT NULL);
 """  # every statement idempotent: opening a state DB of an older version adds what it lacks
 
 
@@ -73,6 +87,8 @@ class Box:
     last_contact_ns: int = 0  # when the sidecar last answered a command of this controller
     state_on_durable: bool = False  # the sidecar's state and venv live on the durable tier
     durable_credentials: bool = False  # the sidecar reads its store's credentials from its state dir
+    keep: str = ""  # retention rules of box-side copies (`up --keep`); empty: every copy stays
+    drain_grace_s: int = 0  # the profile's SIGTERM-to-SIGKILL grace the sidecar drains in (0: its default)
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
@@ -218,6 +234,68 @@ class State:
             (box, run_id, after),
         ).fetchall()
         return [json.loads(r[0]) for r in rows]
+
+    def keep_last_list(self, last: LastList) -> None:
+        """Keep `last` as the box's last claims list (the hello and the listing as their wire bytes:
+        every field, proof and durable_only included), unless a list received later is kept already."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO last_claims(box, run_id, received_at_ns, manifest_digest, durable_url, "
+                "durable_root, hello, listing) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(box) DO UPDATE SET "
+                "run_id = excluded.run_id, received_at_ns = excluded.received_at_ns, "
+                "manifest_digest = excluded.manifest_digest, durable_url = excluded.durable_url, "
+                "durable_root = excluded.durable_root, hello = excluded.hello, listing = excluded.listing "
+                "WHERE excluded.received_at_ns >= last_claims.received_at_ns",
+                (
+                    last.box,
+                    last.run_id,
+                    last.received_at_ns,
+                    last.manifest_digest,
+                    last.durable_url,
+                    last.durable_root,
+                    last.hello.SerializeToString(),
+                    last.listing.SerializeToString(),
+                ),
+            )
+
+    def last_list(self, box: str) -> LastList | None:
+        """The last complete claims list received from `box` (None: none ever was)."""
+        row = self._db.execute(
+            "SELECT run_id, received_at_ns, durable_url, hello, listing FROM last_claims WHERE box = ?",
+            (box,),
+        ).fetchone()
+        if row is None:
+            return None
+        try:
+            hello = pb.HelloResponse.FromString(row[3])
+            listing = pb.ListArtifactsResponse.FromString(row[4])
+        except DecodeError as e:  # a damaged row proves nothing
+            raise StateError(f"the last claims list kept for {box} cannot be read: {e}") from e
+        return LastList(box, row[0], int(row[1]), row[2], hello, listing)
+
+    def record_durable_pull(self, done: DurablePull) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO durable_pulls(box, run_id, manifest_digest, list_received_at_ns, "
+                "pulled_dir, at_ns) VALUES (?,?,?,?,?,?)",
+                (
+                    done.box,
+                    done.run_id,
+                    done.manifest_digest,
+                    done.list_received_at_ns,
+                    done.pulled_dir,
+                    done.at_ns,
+                ),
+            )
+
+    def durable_pull(self, box: str) -> DurablePull | None:
+        """The box's last `pull --from durable` that placed every claim (None: none did)."""
+        row = self._db.execute(
+            "SELECT run_id, manifest_digest, list_received_at_ns, pulled_dir, at_ns FROM durable_pulls "
+            "WHERE box = ?",
+            (box,),
+        ).fetchone()
+        return None if row is None else DurablePull(box, row[0], row[1], int(row[2]), row[3], int(row[4]))
 
     def audit(self, box: str, record: Mapping[str, object]) -> int:
         """Append one teardown record (who confirmed, when, evidence digest, actions, results)."""

@@ -113,21 +113,26 @@ def unfinished(state: State, box: Box) -> Unfinished | None:
 
 async def sidecar_answers(box: Box, timeout_s: float = 3.0) -> bool:
     """Does the box's sidecar answer (any version)? If it does, something watches the box again."""
+    return not await silence(box, timeout_s)
+
+
+async def silence(box: Box, timeout_s: float = 3.0) -> str:
+    """Why the box's sidecar does not answer; "" when it answers (any version)."""
     conn = connector_for(box)
     try:
         async with SidecarClient(conn=conn) as c:
             await c.hello(timeout_s=timeout_s, check_version=False)
-    except SidecarUnreachable:
-        return False
+    except SidecarUnreachable as e:
+        return str(e) or "no answer"
     except SidecarRefused:
-        return True  # something answered, if only to refuse
-    except ControllerError:
+        return ""  # something answered, if only to refuse
+    except ControllerError as e:
         # The link itself is refused (a remote box re-created with another host key, say): nothing
         # answers through it, which is all this asks.
-        return False
+        return str(e) or "no link"
     finally:
         await conn.close()
-    return True
+    return ""
 
 
 def up_command(box: Box) -> str:
@@ -185,6 +190,7 @@ class TeardownResult:
     sidecar_gone: bool = False
     meter: MeterResult | None = None
     audit_id: int = 0
+    judged: str = ""  # --box-gone: what the gate judged instead of the box's live state
 
     @property
     def gone(self) -> bool:
@@ -202,6 +208,7 @@ class TeardownResult:
             "meter": self.meter.to_json() if self.meter else None,
             "gone": self.gone,
             "audit_id": self.audit_id,
+            "judged": self.judged,
         }
 
 
@@ -218,8 +225,14 @@ async def teardown(
         raise ControllerError("internal: teardown called without an allowed, confirmed verdict")
     result = TeardownResult(box=box.name)
     earlier = unfinished(state, box)  # a `down` after `up` again: its meter stop may have been sent
-    record = _record(box, profile, ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"])
-    record.update(evidence_digest=verdict.evidence_digest, manifest_digest=verdict.box_manifest_digest)
+    record = record_of(
+        box, profile, ["ReleaseArtifacts", "Shutdown", f"meter stop: {profile.meter_stop.verb}"]
+    )
+    record.update(
+        evidence_digest=verdict.evidence_digest,
+        manifest_digest=verdict.box_manifest_digest,
+        accepted_server_checksum=verdict.accepted_server_checksum,
+    )
     if earlier is not None:
         record["continues"] = earlier.to_json()
     tearing = box.with_(status="tearing-down")
@@ -261,7 +274,7 @@ async def teardown(
         state.step(tearing, SIDECAR_GONE, f"pid {hello.pid}")
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
-        await _meter(state, box, profile, result, manual_done, retry=retry, send=True)
+        await meter_step(state, box, profile, result, manual_done, retry=retry, send=True)
         if await sidecar_answers(box):
             # Something started a sidecar while the meter stopped (`up` waits for this `down`; a
             # sidecar started by hand does not): the box is watched and may run jobs again.
@@ -271,7 +284,7 @@ async def teardown(
                 "during the teardown, so the box is not gone; see `boxwarden status`"
             )
 
-    return await _audited(state, box, record, result, steps)
+    return await audited(state, box, record, result, steps)
 
 
 async def retry_meter(
@@ -298,7 +311,7 @@ async def retry_meter(
         actions.append(
             "--resend-stop: the stop is sent again WITHOUT a gate if the poll does not show it gone"
         )
-    record = _record(box, profile, actions)
+    record = record_of(box, profile, actions)
     record.update(continues=u.to_json(), resend_stop=resend_stop, gate="not run: the sidecar does not answer")
 
     async def steps() -> None:
@@ -309,15 +322,15 @@ async def retry_meter(
             # steps without a gate; an `argv` stop polls the provider first and sends nothing
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
-        meter = await _meter(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+        meter = await meter_step(state, box, profile, result, manual_done, retry=True, send=resend_stop)
         result.sidecar_gone = seen_gone or meter.gone
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
 
-    return await _audited(state, box, record, result, steps)
+    return await audited(state, box, record, result, steps)
 
 
-async def _meter(
+async def meter_step(
     state: State,
     box: Box,
     profile: Profile,
@@ -348,7 +361,7 @@ async def _meter(
         raise
 
 
-def _record(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:
+def record_of(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:
     return {
         "confirmed_by": getpass.getuser(),
         "host": socket.gethostname(),
@@ -361,7 +374,7 @@ def _record(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]
     }
 
 
-async def _audited(
+async def audited(
     state: State,
     box: Box,
     record: dict[str, object],

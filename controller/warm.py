@@ -15,7 +15,7 @@ from pathlib import Path
 
 from controller.state import State, default_home
 
-BOX_COMMANDS = frozenset({"status", "pull", "artifacts", "logs", "events", "run", "stop", "down"})
+BOX_COMMANDS = frozenset({"status", "pull", "artifacts", "logs", "events", "run", "stop", "down", "drain"})
 MAX_BOXES = 16
 
 

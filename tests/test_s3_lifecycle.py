@@ -73,3 +73,26 @@ def test_credentials_are_refused_in_a_url_with_a_directory_or_when_others_can_re
     r = bw(*base, "--durable", "s3://bkt/p?acl=public-read")
     assert r.returncode == 2 and "unknown option 'acl'" in r.stderr
     assert not Path(bw.home, "boxes", NAME, "sidecar").exists()  # nothing started, nothing made
+
+
+def test_a_server_checksum_proof_is_shown_and_passes_the_gate_only_when_accepted(
+    bw: Bw, s3: S3Server, tmp_path: Path
+) -> None:
+    url = s3.url(s3.bucket(), "ckpts") + "&proof=server-checksum"
+    creds = write_credentials(tmp_path / "creds")
+    bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--durable", url,
+          "--durable-credentials", str(creds))  # fmt: skip
+    save_weights(bw.cwd / "ckpt" / "cell-a" / "best.safetensors", seed=3)
+    bw.wait_durable(NAME, 1)
+    (claim,) = bw.json("artifacts", NAME)["claims"]
+    assert claim["proof"] == "server-checksum"
+    shown = bw.ok("artifacts", NAME)
+    assert "server-checksum" in shown.stdout + shown.stderr
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    refused = bw.json("down", NAME, "--confirm", NAME, code=3)
+    assert refused["allowed"] is False
+    assert [r["code"] for r in refused["reasons"]] == ["WEAK_PROOF"]
+    doc = bw.json("down", NAME, "--confirm", NAME, "--accept-server-checksum")
+    assert doc["allowed"] is True and doc["teardown"]["deleted"] == ["cell-a/best.safetensors"]

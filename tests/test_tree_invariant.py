@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, event, example, given, note, settings
 from hypothesis import strategies as st
 
 from controller import __version__, gate
+from controller.boxsource import pull
 from controller.client import SidecarClient
 from controller.errors import ControllerError
-from controller.pull import pull
 from controller.state import Box
 from controller.verify import VerifyReport, verify_tree
 from tests.conftest import wait_until

@@ -51,6 +51,7 @@ COMMANDS = (
     "run",
     "stop",
     "status",
+    "drain",
     "artifacts",
     "logs",
     "events",

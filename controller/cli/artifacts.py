@@ -1,4 +1,4 @@
-"""`boxwarden artifacts NAME [--json]`: the sidecar's claims and their durable state."""
+"""`boxwarden artifacts NAME [--json]`: the sidecar's claims, their durable state and proof kind."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
-from controller import reach, render
+from controller import lastlist, reach, render
 from controller.cli.options import json_flag, open_state
 
 
@@ -21,15 +21,17 @@ from controller.cli.options import json_flag, open_state
 @click.argument("name")
 @json_flag
 def command(name: str, as_json: bool) -> None:
-    """List box NAME's claims: path, size, blake3, durable."""
-    box = open_state().get(name)
+    """List box NAME's claims: path, size, blake3, durable, proof kind, durable-only."""
+    state = open_state()
+    box = state.get(name)
+    keep = lastlist.keeper(state, box)  # the list is kept: evidence for when the box is gone
     if not as_json:
-        render.artifacts(name, asyncio.run(reach.artifacts(box)))
+        render.artifacts(name, asyncio.run(reach.artifacts(box, keep)))
     elif tuple(f.name for f in pb.Claim.DESCRIPTOR.fields) == _CLAIM_FIELDS:
-        render.text_out(asyncio.run(_listing_json(reach.artifact_pages(box))))
+        render.text_out(asyncio.run(_listing_json(reach.artifact_pages(box, keep))))
     else:
         # A Claim with a field this code does not know (a newer proto) goes the slow, exact way.
-        render.json_out(_to_dict(asyncio.run(reach.artifacts(box))), compact=True)
+        render.json_out(_to_dict(asyncio.run(reach.artifacts(box, keep))), compact=True)
 
 
 async def _listing_json(pages: AsyncIterable[pb.ListArtifactsResponse | None]) -> str:
@@ -74,6 +76,8 @@ _CLAIM_FIELDS = (
     "durable_at_unix_ns",
     "push_error",
     "proven_at_unix_ns",
+    "proof",
+    "durable_only",
 )
 
 
@@ -84,9 +88,11 @@ def _claims_json(claims: Iterable[pb.Claim]) -> str:
     q = _quote
     return ", ".join(
         f'{{"blake3": {q(c.blake3)}, "durable": {"true" if c.durable else "false"}, '
-        f'"durable_at_unix_ns": "{c.durable_at_unix_ns}", "path": {q(c.path)}, '
-        f'"proven_at_unix_ns": "{c.proven_at_unix_ns}", "push_error": {q(c.push_error)}, '
-        f'"sealed_at_unix_ns": "{c.sealed_at_unix_ns}", "seq": "{c.seq}", "size": "{c.size}"}}'
+        f'"durable_at_unix_ns": "{c.durable_at_unix_ns}", '
+        f'"durable_only": {"true" if c.durable_only else "false"}, "path": {q(c.path)}, '
+        f'"proof": {q(c.proof)}, "proven_at_unix_ns": "{c.proven_at_unix_ns}", '
+        f'"push_error": {q(c.push_error)}, "sealed_at_unix_ns": "{c.sealed_at_unix_ns}", '
+        f'"seq": "{c.seq}", "size": "{c.size}"}}'
         for c in claims
     )
 

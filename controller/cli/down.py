@@ -1,18 +1,21 @@
-"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME] [--resend-stop]`: the gate, then the
-teardown and the meter stop; or the continuation of a teardown that did not finish
-(`teardown.unfinished` decides which)."""
+"""`boxwarden down NAME [--dry-run] [--json] [--confirm NAME] [--resend-stop] [--accept-server-checksum]
+[--box-gone [--durable-credentials FILE]]`: the gate, then the teardown and the meter stop; or the
+continuation of a teardown that did not finish (`teardown.unfinished` decides which); or, for a box
+the user says is gone, the gate on its last claims list and durable copies (`controller.gone`)."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from controller import boxes, pathtext, render, teardown
-from controller.cli.options import json_flag, open_state
+from controller import boxes, gone, pathtext, render, teardown
+from controller.cli.options import durable_credentials_option, json_flag, open_state
 from controller.errors import GateRefused, UsageError
+from controller.gate import Verdict
 from controller.state import Box, State, exclusive
 
 
@@ -36,6 +39,19 @@ from controller.state import Box, State, exclusive
     help="For a teardown whose meter stop was never proven and whose sidecar is stopped: send the stop "
     "again WITHOUT a gate (only if you know the box is being destroyed anyway; audited).",
 )
+@click.option(
+    "--accept-server-checksum",
+    is_flag=True,
+    help="Take durable copies proven only by the store's checksum (S3 ?proof=server-checksum) instead of "
+    "a read-back (recorded in the evidence).",
+)
+@click.option(
+    "--box-gone",
+    is_flag=True,
+    help="The box is gone (preempted, destroyed) and its sidecar does not answer: judge the last claims "
+    "list received from it and a `pull --from durable` of it instead of the box's live state.",
+)
+@durable_credentials_option
 @json_flag
 def command(
     name: str,
@@ -44,35 +60,58 @@ def command(
     pulled: Path | None,
     meter_stopped: bool,
     resend_stop: bool,
+    accept_server_checksum: bool,
+    box_gone: bool,
+    durable_credentials: Path | None,
     as_json: bool,
 ) -> None:
     """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
     if pulled is not None:
         pathtext.check_path_text(pulled, "--pulled")
+    if durable_credentials is not None and not box_gone:
+        raise UsageError(
+            "--durable-credentials goes with --box-gone (a box that answers proves its own copies)"
+        )
+    if resend_stop and box_gone:
+        raise UsageError("--resend-stop continues an unfinished teardown; it does not go with --box-gone")
+    opts = Opts(
+        dry_run,
+        confirm,
+        pulled,
+        meter_stopped,
+        resend_stop,
+        accept_server_checksum,
+        box_gone,
+        durable_credentials,
+    )
     state = open_state()
     box = state.get(name)
     if dry_run:
         if resend_stop:
             raise UsageError("--resend-stop sends a stop: it cannot go with --dry-run")
-        _down(state, box, dry_run, confirm, pulled, meter_stopped, False, as_json)
+        _down(state, box, opts, as_json)
         return
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
     busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
     with exclusive(state.box_lock(name), busy):
-        _down(state, state.get(name), dry_run, confirm, pulled, meter_stopped, resend_stop, as_json)
+        _down(state, state.get(name), opts, as_json)
 
 
-def _down(
-    state: State,
-    box: Box,
-    dry_run: bool,
-    confirm: str | None,
-    pulled: Path | None,
-    meter_stopped: bool,
-    resend_stop: bool,
-    as_json: bool,
-) -> None:
+@dataclass(frozen=True)
+class Opts:
+    dry_run: bool
+    confirm: str | None
+    pulled: Path | None
+    meter_stopped: bool
+    resend_stop: bool
+    accept_server_checksum: bool
+    box_gone: bool
+    durable_credentials: Path | None
+
+
+def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
     name = box.name
+    dry_run, confirm, meter_stopped, resend_stop = o.dry_run, o.confirm, o.meter_stopped, o.resend_stop
     interactive = sys.stdin.isatty() and not as_json
     earlier = teardown.unfinished(state, box)
     # --meter-stopped vouches for steps already shown by an earlier `down`, never for unseen ones.
@@ -92,6 +131,11 @@ def _down(
         )
         raise UsageError(f"--resend-stop is not for {name}: {why}; leave the flag out")
     if earlier is not None and not answers:
+        if o.box_gone:
+            raise UsageError(
+                f"--box-gone is not for {name}: a teardown of it is unfinished and its sidecar does not "
+                f"answer; `down {name} --confirm {name}` continues it (leave --box-gone out)"
+            )
         # An earlier teardown took steps and nothing watches the box now: no gate can run, only the
         # meter is left to settle (poll first, never a blind re-send).
         profile = boxes.box_profile(box)
@@ -115,16 +159,30 @@ def _down(
         else:
             render.teardown(result)
         return
-    pulled_dir = boxes.pulled_dir(box, pulled)
+    pulled_dir = boxes.pulled_dir(box, o.pulled)
+
+    def judge(confirm: str | None, dry_run: bool) -> Verdict:
+        return asyncio.run(
+            boxes.judge(
+                box,
+                pulled_dir,
+                confirm=confirm,
+                dry_run=dry_run,
+                state=state,
+                accept_server_checksum=o.accept_server_checksum,
+                box_gone=o.box_gone,
+            )
+        )
+
     if not dry_run and confirm is None and interactive:
         # Interactive: show the evidence first, ask for the name only if there is something to confirm.
-        preview = asyncio.run(boxes.judge(box, pulled_dir, confirm=None, dry_run=True))
+        preview = judge(None, True)
         render.verdict(preview, dry_run=True)
         if not preview.allowed:
             raise click.exceptions.Exit(GateRefused.exit_code)
         confirm = render.confirm_prompt(name)
     # Judged at the moment of acting (after any prompt): the box may have moved on meanwhile.
-    verdict = asyncio.run(boxes.judge(box, pulled_dir, confirm=confirm, dry_run=dry_run))
+    verdict = judge(confirm, dry_run)
     doc: dict[str, object] = {"dry_run": dry_run, **verdict.to_json()}
     if not verdict.allowed or dry_run:
         if as_json:
@@ -136,7 +194,11 @@ def _down(
         return
     if not as_json:
         render.verdict(verdict, dry_run=False)
-    result = asyncio.run(boxes.down(state, box, verdict, manual_done))
+    if verdict.gone is not None:
+        profile = boxes.box_profile(box)
+        result = asyncio.run(gone.down(state, box, verdict, profile, manual_done, o.durable_credentials))
+    else:
+        result = asyncio.run(boxes.down(state, box, verdict, manual_done))
     if as_json:
         render.json_out({**doc, "teardown": result.to_json()})
     else:

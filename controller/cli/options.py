@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import click
 
+from controller.durable import read_credentials
 from controller.state import State, default_home
 
 json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
@@ -21,3 +23,18 @@ roster_option = click.option(
 def open_state() -> State:
     """The controller state under $BOXWARDEN_HOME (default: the XDG state dir)."""
     return State(default_home(os.environ))
+
+
+def _checked_credentials(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:
+    if value is not None:
+        read_credentials(value)  # refused now (mode, kind, size), before anything is read or judged
+    return value
+
+
+durable_credentials_option = click.option(
+    "--durable-credentials",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=_checked_credentials,
+    help="Reading an s3:// durable store from here (pull --from durable, down --box-gone): its keys "
+    "([default] aws_access_key_id, aws_secret_access_key; mode 0600). Default: boto3's own sources.",
+)

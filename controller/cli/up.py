@@ -88,6 +88,13 @@ from controller.state import exclusive
     "name, with '/' the path under the watched dir; '*' also matches '/', so 'logs/*' leaves out "
     "everything under logs/. The gate's evidence names the files left out.",
 )
+@click.option(
+    "--keep",
+    metavar="RULES",
+    help="Retention of box-side copies, e.g. last=3,best=metrics.json:loss,every=10: a checkpoint no rule "
+    "keeps loses its box copy once its durable copy re-reads equal (it stays a claim, pulled from "
+    "durable storage). Nothing is deleted from durable storage. Default: keep every box copy.",
+)
 @roster_option
 @json_flag
 def command(
@@ -106,6 +113,7 @@ def command(
     run_id: str | None,
     roster: tuple[str, ...],
     exclude: tuple[str, ...],
+    keep: str | None,
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
@@ -134,6 +142,7 @@ def command(
                 box_index=box_index,
                 state_on_durable=state_on_durable,
                 durable_credentials=durable_credentials,
+                keep=keep,
             )
         )
     if as_json:

@@ -25,6 +25,8 @@ claims = st.builds(
     durable_at_unix_ns=INT64,
     push_error=st.text(),
     proven_at_unix_ns=INT64,
+    proof=st.sampled_from(["", "reread", "server-checksum"]) | st.text(),
+    durable_only=st.booleans(),
 )
 
 
@@ -40,7 +42,7 @@ def test_claims_json_is_what_message_to_dict_and_dumps_write(cs: list[pb.Claim])
 
 
 def test_odd_strings_are_escaped() -> None:
-    c = pb.Claim(path='a"b\\c\nd\x7f\u00e9\U0001f600', push_error="</script>\t", blake3="x")
+    c = pb.Claim(path='a"b\\c\nd\x7f\u00e9\U0001f600', push_error="</script>\t", blake3="x", proof="\u00e9\n")
     text = "[" + _claims_json([c]) + "]"
     assert json.loads(text)[0]["path"] == c.path
     assert text == json.dumps([_to_dict(c)], sort_keys=True)

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from controller import pull as pull_mod
-from controller import rawcopy, reach
+from controller import boxsource, rawcopy, reach
+from controller.boxsource import pull
 from controller.client import SidecarClient
 from controller.connector import Completed
 from controller.digest import path_key
 from controller.errors import ControllerError
-from controller.pull import PullReport, pull
+from controller.pull import PullReport
 from controller.state import State
 from tests.conftest import Bw, pid_alive, save_ckpt
 
@@ -88,7 +88,7 @@ def pull_over(
 
 @pytest.fixture
 def two_claims(bw: Bw, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
-    monkeypatch.setattr(pull_mod, "BULK_MIN", 100_000)
+    monkeypatch.setattr(boxsource, "BULK_MIN", 100_000)
     p = bw.up("b1")
     save_ckpt(p["watch"] / "cell-a" / "big.pt", seed=1, size=400_000)  # ~1.6 MB: bulk
     save_ckpt(p["watch"] / "cell-a" / "small.pt", seed=2, size=100)  # below BULK_MIN: gRPC

@@ -12,7 +12,8 @@ import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.errors import Reason, SidecarRefused, SidecarUnreachable, VersionMismatch
-from controller.gate import Evidence, judge, sidecar_reason
+from controller.gate import Evidence, evidence_document, judge, sidecar_reason
+from controller.lastlist import GoneBox
 from controller.verify import VerifyReport
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError, StorageError, UnsafePathError
 from sidecar.rpcerrors import status_of
@@ -123,3 +124,98 @@ def test_every_error_leaves_the_sidecar_as_a_specific_status(err: Exception, cod
     assert got == code
     assert got != grpc.StatusCode.UNAVAILABLE  # the controller reads that as "did not answer"
     assert message
+
+
+def durable_claims(*proofs: str) -> list[pb.Claim]:
+    return [
+        pb.Claim(path=f"cell-a/{i}.pt", size=3, blake3="b" * 64, durable=True, proven_at_unix_ns=1, proof=p)
+        for i, p in enumerate(proofs)
+    ]
+
+
+PROOF_CASES: list[tuple[str, tuple[str, ...], bool, set[str]]] = [
+    ("an older sidecar's empty proof is a re-read", ("", "reread"), False, set()),
+    ("server-checksum refused", ("reread", "server-checksum"), False, {"WEAK_PROOF"}),
+    ("server-checksum accepted", ("reread", "server-checksum"), True, set()),
+    ("an unknown kind is never taken", ("crc-only",), True, {"WEAK_PROOF"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("proofs", "accepted", "expected"), [c[1:] for c in PROOF_CASES], ids=[c[0] for c in PROOF_CASES]
+)
+def test_the_gate_takes_a_server_checksum_only_when_the_user_accepted_it(
+    proofs: tuple[str, ...], accepted: bool, expected: set[str]
+) -> None:
+    ev = with_(clean(), claims=durable_claims(*proofs), accepted_server_checksum=accepted)
+    v = judge(ev, [], confirm="b1", dry_run=False)
+    assert {r.code for r in v.reasons} == expected and v.allowed is (not expected)
+    weak = {
+        c.path for c in ev.claims if c.proof == "crc-only" or (c.proof == "server-checksum" and not accepted)
+    }
+    assert {r.path for r in v.reasons} == weak
+    row = next(c for c in v.checks if c.name == "durable proofs")
+    assert row.ok is (not expected)
+    doc = v.to_json()
+    assert doc["accepted_server_checksum"] is accepted and doc["box_gone"] is None
+    assert sum(doc["proofs"].values()) == len(proofs)  # type: ignore[attr-defined]
+
+
+def test_accepting_a_server_checksum_is_part_of_the_evidence() -> None:
+    ev = with_(clean(), claims=durable_claims("server-checksum"))
+    refused = judge(ev, [], confirm=None, dry_run=True)
+    accepted = judge(with_(ev, accepted_server_checksum=True), [], confirm=None, dry_run=True)
+    assert refused.proofs == accepted.proofs == {"server-checksum": 1}
+    assert "accepted by you" in next(c.detail for c in accepted.checks if c.name == "durable proofs")
+    assert accepted.evidence_digest != refused.evidence_digest
+    doc = evidence_document(with_(ev, accepted_server_checksum=True), [])
+    assert doc["accepted_server_checksum"] is True
+    assert doc["claims"] == [["cell-a/0.pt", 3, "b" * 64, True, 1, "server-checksum", False]]
+
+
+def gone_box(pulled: str = "/p", problem: str = "") -> GoneBox:
+    return GoneBox(
+        unreachable="Hello: the sidecar did not answer",
+        list_received_at_ns=1_700_000_000 * 10**9,
+        durable_root="file:///store/b1/r1",
+        durable_pull=pulled,
+        durable_pull_problem=problem,
+    )
+
+
+def test_a_gone_box_is_judged_on_its_last_list_and_a_pull_of_it_from_durable() -> None:
+    ev = with_(clean(), claims=durable_claims("reread", "server-checksum"), gone=gone_box())
+    v = judge(ev, [], confirm="b1", dry_run=False)
+    # The copies were read and hashed here: the sidecar's weaker proof does not hold the gate.
+    assert v.allowed, v.reasons
+    names = [c.name for c in v.checks]
+    assert names[0] == "box gone (--box-gone)" and "pulled from durable storage" in names
+    assert "no job running" not in names  # the box's live state is not judged, and says so
+    assert v.gone is not None
+    judged = v.to_json()["box_gone"]["judged"]  # type: ignore[index]
+    at = "2023-11-14T22:13:20Z"
+    assert judged == f"durable bytes from the last claims list received at {at} (not the box's live state)"
+    assert evidence_document(ev, [])["box_gone"] == v.gone.to_json()
+    assert judge(with_(ev, gone=None), [], confirm="b1", dry_run=False).evidence_digest != v.evidence_digest
+
+
+@pytest.mark.parametrize(
+    ("ev", "expected"),
+    [
+        (
+            with_(clean(), gone=gone_box("", "no pull from durable storage of b1 placed every claim yet")),
+            {"NOT_PULLED"},
+        ),
+        (
+            with_(
+                clean(), gone=gone_box(), claims=[pb.Claim(path="x", size=1, blake3="b" * 64, durable=False)]
+            ),
+            {"NOT_DURABLE"},
+        ),
+        (with_(clean(), gone=gone_box(), marker_digest="c" * 64), {"MANIFEST_STALE"}),
+    ],
+    ids=["not pulled from durable", "not durable in the last list", "verified against another list"],
+)
+def test_a_gone_box_stays_refused_without_its_evidence_complete(ev: Evidence, expected: set[str]) -> None:
+    v = judge(ev, [], confirm="b1", dry_run=False)
+    assert {r.code for r in v.reasons} == expected and not v.allowed

@@ -25,6 +25,7 @@ from tests.sshbox import SshBoxFactory
         (["status"], "status", ()),
         (["status", "a", "b", "--json"], "status", ("a", "b")),
         (["run", "b1", "--cell", "c", "--", "python", "t.py"], "run", ("b1",)),
+        (["drain", "b1", "--wait", "--timeout", "60"], "drain", ("b1",)),
         (["pull", "--to", "x", "b1"], "pull", ()),  # a name after an option is not guessed at
         (["up", "b1", "--host", "h"], "", ()),  # up starts its link itself
         (["verify", "pulled"], "", ()),
