@@ -215,6 +215,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         scan_executor=scan_executor,
         settle_s=s.settle_s,
         notify=journal.ring,
+        ahead_min_bytes=s.ahead_min_bytes,
     )
     backlog = Backlog(
         ledger=ledger,

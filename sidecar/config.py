@@ -47,6 +47,7 @@ class Settings:
     durable_credentials: Path | None = None
     keep: KeepRules = NO_RULES
     drain_grace_s: float = 5.0
+    ahead_min_bytes: int = 256 << 20
 
     @property
     def ledger_path(self) -> Path:
@@ -158,6 +159,7 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         durable_credentials=credentials,
         keep=keep,
         drain_grace_s=float(msg.drain_grace_s or 5),
+        ahead_min_bytes=msg.ahead_min_bytes or (256 << 20),
     )
 
 

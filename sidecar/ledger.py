@@ -251,9 +251,9 @@ class Ledger:
     def add_changed_event(self, path: str, detail: str) -> None:
         self.add_event("ARTIFACT_CHANGED", path=path, detail=detail)
 
-    def mark_durable(self, claim_id: int, proof: str) -> bool:
+    def mark_durable(self, claim_id: int, proof: str, *, note: str = "") -> bool:
         """Mark a claim durable, proven by `proof`; False (and nothing changes) if it is no longer
-        current."""
+        current. `note`: added to the ARTIFACT_DURABLE event's detail."""
         with self._tx() as db:
             row = db.execute(
                 "SELECT path, durable FROM claims WHERE id = ? AND current = 1", (claim_id,)
@@ -273,7 +273,8 @@ class Ledger:
                     " push_error = '' WHERE id = ?",
                     (now, now, proof, claim_id),
                 )
-                self._event(db, "ARTIFACT_DURABLE", path=row["path"], detail=f"proof: {proof}")
+                detail = f"proof: {proof}" + (f"; {note}" if note else "")
+                self._event(db, "ARTIFACT_DURABLE", path=row["path"], detail=detail)
         self._reload(row["path"])
         if not durable_already:
             claim = self._current.get(row["path"])

@@ -27,6 +27,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import TypeVar
 
+from sidecar.ahead import AheadPusher
 from sidecar.backlog import Bandwidth
 from sidecar.errors import ChangedError, SidecarError, StorageError
 from sidecar.hashing import hash_file_read
@@ -66,9 +67,12 @@ class Sealer:
         settle_s: float,
         notify: Callable[[], None],
         bandwidth: Bandwidth | None = None,
+        ahead_min_bytes: int = 0,
     ) -> None:
+        """`ahead_min_bytes`: push files that grow past it while they are written (0: never)."""
         self.namer = namer
         self.bandwidth = bandwidth or Bandwidth()
+        self._ahead = AheadPusher(store, self.run, min_bytes=ahead_min_bytes) if ahead_min_bytes else None
         self.ledger = ledger
         self.store = store
         self._executor = executor
@@ -128,6 +132,10 @@ class Sealer:
                 self._again.add(art)
             if change.kind != "dirty":
                 self.candidate(change.path)
+            elif self._ahead is not None:
+                claimable = self.namer.claimable(change.path)
+                if claimable is not None:
+                    self._ahead.on_write(claimable, change.path)
         elif change.kind == "gone":
             art = self.namer.to_artifact(change.path)
             if art is not None:
@@ -301,6 +309,8 @@ class Sealer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._ahead is not None:
+            await self._ahead.close()
 
     # -- sealing ----------------------------------------------------------------------------------
 
@@ -442,9 +452,14 @@ class Sealer:
         staged: StagedCopy | None = None
         push_error = self._space_short(ident.size)
         started = time.monotonic()
+        ahead = await self._ahead.take(art, ident) if self._ahead is not None else None
+        note = f"{ahead.done} bytes pushed ahead of the seal" if ahead is not None else ""
+        if ahead is not None and push_error:
+            await self.run(self.store.discard_ahead, ahead)
+            ahead = None
         try:
             if not push_error:
-                staged = await self.run(self.store.stage, path, art)
+                staged = await self.run(functools.partial(self.store.stage, path, art, ahead=ahead))
         except ChangedError:
             self._again.add(art)
             return
@@ -478,7 +493,7 @@ class Sealer:
         else:
             claim = self.ledger.add_claim(art, staged.size, staged.digest, ident)
             self.notify()
-        await self._finish(claim, staged, started)
+        await self._finish(claim, staged, started, note)
 
     async def _holds_claimed_bytes(
         self, art: str, path: Path, ident: FileIdentity, claim: ClaimRow
@@ -494,9 +509,9 @@ class Sealer:
             return None
         return digest == claim.blake3
 
-    async def _finish(self, claim: ClaimRow, staged: StagedCopy, started: float) -> bool:
+    async def _finish(self, claim: ClaimRow, staged: StagedCopy, started: float, note: str = "") -> bool:
         """Commit, prove, and mark durable; True if the claim is now durable. `started`: when the
-        stage began (monotonic), for the measured bandwidth."""
+        stage began (monotonic), for the measured bandwidth; `note`: for the ARTIFACT_DURABLE event."""
         try:
             await self._keep_retired(claim)
             moved = await self.run(self.store.commit, staged)
@@ -515,7 +530,7 @@ class Sealer:
         ok = False
         if proof:
             self.bandwidth.add(staged.size, time.monotonic() - started)
-            ok = self.ledger.mark_durable(claim.id, proof)
+            ok = self.ledger.mark_durable(claim.id, proof, note=note)
         else:
             self.ledger.mark_push_failed(claim.id, MISMATCH)
         self.notify()
@@ -589,6 +604,8 @@ class Sealer:
         return made
 
     async def _gone(self, art: str, path: Path | None) -> None:
+        if self._ahead is not None and path is not None:
+            await self._ahead.drop(art)
         async with self.lock(art):
             p = path or self.namer.to_abs(art)
             claim = self.ledger.current(art)

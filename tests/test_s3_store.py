@@ -300,6 +300,32 @@ def test_crc32_of_parts_combines_to_the_whole() -> None:
         assert crc.combine([(zlib.crc32(c), len(c)) for c in chunks]) == zlib.crc32(b"".join(chunks))
 
 
+def test_s3_parts_pushed_ahead_are_kept_or_sent_again_by_their_crc(s3: S3Server, tmp_path: Path) -> None:
+    """Speculative streaming into a multipart upload (tests/sidecar/test_ahead.py has the rest)."""
+    bucket = s3.bucket()
+    store = open_store(s3.url(bucket), ("b", "r"), credentials=write_credentials(tmp_path / "creds"))
+    src = tmp_path / "ckpt.bin"
+    with open(src, "wb") as w:
+        w.write(os.urandom(20 * MIB))
+        w.flush()
+        st = os.fstat(w.fileno())
+        ahead = store.begin_ahead("ckpt.bin", (st.st_dev, st.st_ino))
+        fd = os.open(src, os.O_RDONLY)
+        store.push_ahead(ahead, fd, 20 * MIB)
+        os.close(fd)
+        assert ahead.done == 16 * MIB  # two whole 8 MiB parts
+        w.seek(9 * MIB)
+        w.write(b"changed")
+        w.truncate(17 * MIB)  # and it shrank: no part past its end may stay
+    staged = store.stage(src, "ckpt.bin", ahead=ahead)
+    store.commit(staged)
+    assert staged.digest == blake3.blake3(src.read_bytes()).hexdigest()
+    assert store.verify("ckpt.bin", staged.digest) == "reread"
+    body = s3.client().get_object(Bucket=bucket, Key="durable/b/r/ckpt.bin")["Body"].read()
+    assert body == src.read_bytes()
+    store.close()
+
+
 # --- a real sidecar pushing to the bucket ---------------------------------------------------------
 
 

@@ -27,7 +27,10 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # copier imports this module
+    from sidecar.storage.copier import Ahead
 from urllib.parse import unquote, urlsplit
 
 from sidecar.compat import SLOTS
@@ -87,13 +90,29 @@ class DurableStore(Protocol):
         """The URL the store was opened with (for messages and events)."""
         ...
 
-    def stage(self, src: Path, rel: str, *, progress: Progress | None = None) -> StagedCopy:
+    def stage(
+        self, src: Path, rel: str, *, progress: Progress | None = None, ahead: Ahead | None = None
+    ) -> StagedCopy:
         """Copy `src` to a temp place in the store in one read pass, hashing the bytes as they pass.
+        `ahead`: what `push_ahead` already put there while `src` was being written (the pass writes
+        only the chunks that differ, and what follows; an `ahead` from another file is discarded).
 
         Raises UnsafePathError (bad `rel`), ChangedError (`src` changed or vanished during the
         read), PreconditionError (`src` is not a regular file), StorageError (I/O on either side).
         No temp is left behind when it raises.
         """
+        ...
+
+    def begin_ahead(self, rel: str, source: tuple[int, int]) -> Ahead:
+        """A temp copy for the file (st_dev, st_ino) `source` at `rel`, to push while it is written."""
+        ...
+
+    def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
+        """Push the whole chunks of the file between what was pushed and `upto` (never its tail)."""
+        ...
+
+    def discard_ahead(self, ahead: Ahead) -> None:
+        """Drop a copy pushed ahead that no stage will take."""
         ...
 
     def commit(self, staged: StagedCopy) -> str | None:

@@ -10,12 +10,13 @@ buffer is read into again only after its write returned.
 
 from __future__ import annotations
 
-import itertools
 import mmap
 import os
+import zlib
 from collections import deque
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -46,6 +47,34 @@ class Sink(Protocol):
         a short last chunk)."""
         ...
 
+    def already(self, data: memoryview, offset: int) -> bool:
+        """True when exactly these bytes were written at `offset` before the pass (pushed ahead of
+        the seal, `Ahead`): the pass hashes them and writes them no more."""
+        ...
+
+
+@dataclass
+class Ahead:
+    """A copy pushed while its file was still being written (speculative streaming): the store's
+    handle of the copy in progress, the file it reads, and the CRC-32 and length of every chunk
+    written so far, by offset. At the seal, the stage's one full read pass hashes every byte and
+    writes again each chunk whose CRC differs (a writer that went back and rewrote it); the proof
+    of the committed copy then decides, as for any copy."""
+
+    rel: str
+    source: tuple[int, int]  # (st_dev, st_ino) of the file it reads
+    handle: object
+    chunk: int
+    chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    done: int = 0  # every byte before it was pushed (a multiple of `chunk`)
+
+    def matches(self, data: memoryview, offset: int) -> bool:
+        known = self.chunks.get(offset)
+        return known is not None and known[1] == len(data) and known[0] == zlib.crc32(data)
+
+    def record(self, data: memoryview, offset: int) -> None:
+        self.chunks[offset] = (zlib.crc32(data), len(data))
+
 
 def single_pass(
     src: Path,
@@ -57,13 +86,15 @@ def single_pass(
     limit: int,
     buffers: int = BUFFERS,
     progress: Progress | None = None,
+    start: int = 0,
 ) -> tuple[str, int]:
     """Copy what `src_fd` yields to `sink`, `limit` bytes at most (the size of the sealed file: a
     file that grows while it is read would otherwise never end the pass; the caller sees the change
     in its identity). Returns (blake3 of the bytes, how many).
 
     Raises StorageError for a failed read of the source, and whatever a write raised. Returns or
-    raises only once no write is in flight (the caller may then close what the sink writes to)."""
+    raises only once no write is in flight (the caller may then close what the sink writes to).
+    `start`: the offset of the fd's position (a push ahead of the seal goes on where it stopped)."""
     # One hashing thread: it keeps pace with the device (3.5 GB/s), and a multithreaded hash
     # measured no faster here while it would take cores from the trainer.
     hasher = hashing.new_hasher()
@@ -76,12 +107,15 @@ def single_pass(
         future.result()
         sink.written(end)
 
-    copied = 0
+    copied = start
+    limit += start
+    handed = 0  # buffers handed to a write so far: the next one is ring[handed % buffers]
     try:
-        for i in itertools.count():
+        while True:
             if len(writes) == buffers:  # the buffer about to be reused is still being written
                 finish_one()
-            buf = ring[i % buffers]
+            # Advanced only by a write: a chunk that is not written leaves its buffer free.
+            buf = ring[handed % buffers]
             want = min(chunk_size, limit - copied)
             try:
                 n = os.readv(src_fd, [memoryview(buf)[:want]]) if want > 0 else 0
@@ -90,10 +124,17 @@ def single_pass(
             if n == 0:
                 break
             view = memoryview(buf)[:n]
+            if sink.already(view, copied):
+                hasher.update(view)
+                copied += n
+                if progress is not None:
+                    progress(copied)
+                continue
             alone = sink.alone(n)
             while alone and writes:
                 finish_one()
             writes.append((pool.submit(sink.write, view, copied), copied + n))
+            handed += 1
             hasher.update(view)
             copied += n
             while alone and writes:
@@ -105,4 +146,4 @@ def single_pass(
     finally:
         # Never let the caller close the sink (or the buffers go) under a write in flight.
         futures_wait([f for f, _ in writes])
-    return hasher.hexdigest(), copied
+    return hasher.hexdigest(), copied - start

@@ -25,6 +25,7 @@ import os
 import stat
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote, unquote, urlsplit
 
@@ -45,7 +46,7 @@ from sidecar.storage import (
     open_source,
     split_rel,
 )
-from sidecar.storage.copier import BUFFERS, single_pass
+from sidecar.storage.copier import BUFFERS, Ahead, single_pass
 from sidecar.storage.fsio import (
     CHILD_VERIFY_MIN,
     close_fd,
@@ -82,8 +83,13 @@ class _FileSink:
     """A pass written into the temp file `fd` at `path`: with O_DIRECT while `direct` (page-aligned
     buffers, aligned lengths), else through the page cache with writeback started as it goes."""
 
-    def __init__(self, fd: int, path: Path, direct: bool) -> None:
+    def __init__(
+        self, fd: int, path: Path, direct: bool, ahead: Ahead | None = None, *, recording: bool = False
+    ) -> None:
+        """`ahead`: the copy was pushed ahead of the seal into this file; `recording`: this pass is
+        such a push (each chunk's CRC is recorded), else the seal's pass (equal chunks are skipped)."""
         self.fd, self.path, self.direct = fd, path, direct
+        self._ahead, self._recording = ahead, recording
         self._kicked = self._dropped = 0
 
     def write(self, data: memoryview, offset: int) -> None:
@@ -99,6 +105,11 @@ class _FileSink:
             if self.direct and exc.errno == errno.EINVAL:
                 raise _DirectUnsupported from exc
             raise storage_error("writing temp copy", self.path, exc) from exc
+        if self._recording and self._ahead is not None:
+            self._ahead.record(data, offset)
+
+    def already(self, data: memoryview, offset: int) -> bool:
+        return self._ahead is not None and not self._recording and self._ahead.matches(data, offset)
 
     def written(self, end: int) -> None:
         if not self.direct and end - self._kicked >= WRITEBACK_WINDOW:
@@ -109,6 +120,15 @@ class _FileSink:
 
     def alone(self, n: int) -> bool:
         return self.direct and n % _ALIGN != 0
+
+
+@dataclass
+class _AheadFile:
+    """The temp file a copy is pushed ahead into, held open until the seal's stage takes it."""
+
+    path: Path
+    fd: int
+    direct: bool
 
 
 class LocalStore:
@@ -187,15 +207,24 @@ class LocalStore:
 
     # ----------------------------------------------------------------------------------- stage
 
-    def stage(self, src: Path, rel: str, *, progress: Progress | None = None) -> StagedCopy:
+    def stage(
+        self, src: Path, rel: str, *, progress: Progress | None = None, ahead: Ahead | None = None
+    ) -> StagedCopy:
         split_rel(rel)
         before, src_fd = open_source(src)
+        if ahead is not None and (ahead.rel != rel or ahead.source != (before.dev, before.ino)):
+            self.discard_ahead(ahead)  # pushed from another file (the path was replaced since)
+            ahead = None
         try:
-            tmp_path, out_fd, direct = self._open_tmp(before.size)
+            if ahead is not None:
+                held = self._ahead_file(ahead)
+                tmp_path, out_fd, direct = held.path, held.fd, held.direct
+            else:
+                tmp_path, out_fd, direct = self._open_tmp(before.size)
             try:
                 try:
                     self._reserve(out_fd, tmp_path, before.size)
-                    sink = _FileSink(out_fd, tmp_path, direct)
+                    sink = _FileSink(out_fd, tmp_path, direct, ahead)
                     digest, copied = single_pass(
                         src,
                         src_fd,
@@ -205,6 +234,10 @@ class LocalStore:
                         limit=before.size,
                         progress=progress,
                     )
+                    if ahead is not None:
+                        os.ftruncate(out_fd, copied)  # pushed ahead past where the file ends now
+                except OSError as exc:
+                    raise storage_error("cutting temp copy", tmp_path, exc) from exc
                 finally:
                     close_fd(out_fd)
                 check_source_unchanged(src, before, src_fd, copied)
@@ -220,6 +253,46 @@ class LocalStore:
         finally:
             close_fd(src_fd)
         return StagedCopy(rel=rel, handle=tmp_path, digest=digest, size=copied, source=before)
+
+    # ------------------------------------------------------------------- pushed ahead of the seal
+
+    def begin_ahead(self, rel: str, source: tuple[int, int]) -> Ahead:
+        """A temp copy to push a file into while it is still being written (see `copier.Ahead`)."""
+        split_rel(rel)
+        path, fd, direct = self._open_tmp(_DIRECT_MIN)
+        return Ahead(rel=rel, source=source, handle=_AheadFile(path, fd, direct), chunk=self._chunk_size)
+
+    def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
+        """Copy the whole chunks of the file between what was pushed and `upto` (its size now)."""
+        held = self._ahead_file(ahead)
+        end = upto - upto % ahead.chunk
+        if end <= ahead.done:
+            return
+        os.lseek(src_fd, ahead.done, os.SEEK_SET)
+        sink = _FileSink(held.fd, held.path, held.direct, ahead, recording=True)
+        _, n = single_pass(
+            held.path,
+            src_fd,
+            sink,
+            self._write_pool,
+            chunk_size=ahead.chunk,
+            limit=end - ahead.done,
+            start=ahead.done,
+        )
+        ahead.done += n - n % ahead.chunk
+
+    def discard_ahead(self, ahead: Ahead) -> None:
+        held = self._ahead_file(ahead)
+        close_fd(held.fd)
+        remove_quietly(held.path)
+
+    def _ahead_file(self, ahead: Ahead) -> _AheadFile:
+        held = ahead.handle
+        if not isinstance(held, _AheadFile) or held.path.parent != self._tmp_dir:
+            raise PreconditionError(
+                f"the copy of {ahead.rel} was not pushed ahead by the store at {self.url}"
+            )
+        return held
 
     def _reserve(self, fd: int, path: Path, size: int) -> None:
         """Allocate a copy of 1 MiB and more whole before writing it (`fsio.preallocate`): its

@@ -62,7 +62,7 @@ from sidecar.storage import (
     open_source,
     split_rel,
 )
-from sidecar.storage.copier import BUFFERS, single_pass
+from sidecar.storage.copier import BUFFERS, Ahead, single_pass
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,15 @@ class _Upload:
 class _PartSink:
     """Each chunk of the pass becomes the part at its offset (all chunks but the last are full)."""
 
-    def __init__(self, s3: S3Store, up: _Upload) -> None:
+    def __init__(
+        self, s3: S3Store, up: _Upload, ahead: Ahead | None = None, *, recording: bool = False
+    ) -> None:
+        """`ahead`, `recording`: as for the file store's sink (a push ahead of the seal, or the seal)."""
         self._s3, self._up = s3, up
+        self._ahead, self._recording = ahead, recording
+
+    def already(self, data: memoryview, offset: int) -> bool:
+        return self._ahead is not None and not self._recording and self._ahead.matches(data, offset)
 
     def write(self, data: memoryview, offset: int) -> None:
         number = offset // self._up.chunk + 1
@@ -143,6 +150,8 @@ class _PartSink:
                 "ETag": r["ETag"],
                 "ChecksumSHA256": r["ChecksumSHA256"],
             }
+        if self._recording and self._ahead is not None:
+            self._ahead.record(data, offset)
 
     def written(self, end: int) -> None:
         pass
@@ -314,22 +323,24 @@ class S3Store:
 
     # ----------------------------------------------------------------------------------- stage
 
-    def stage(self, src: Path, rel: str, *, progress: Progress | None = None) -> StagedCopy:
+    def stage(
+        self, src: Path, rel: str, *, progress: Progress | None = None, ahead: Ahead | None = None
+    ) -> StagedCopy:
         key = self._key(rel)
         before, src_fd = open_source(src)
         try:
             chunk = part_size(before.size)
-            r = self.call(
-                "starting an upload to", key, "create_multipart_upload", Key=key, ChecksumAlgorithm="SHA256"
-            )
-            up = _Upload(store=id(self), key=key, upload_id=r["UploadId"], chunk=chunk)
-            if self.proof == SERVER_CHECKSUM:
-                up.crcs = {}
+            if ahead is not None and (
+                ahead.rel != rel or ahead.source != (before.dev, before.ino) or ahead.chunk != chunk
+            ):
+                self.discard_ahead(ahead)  # another file, or too big for the parts pushed ahead
+                ahead = None
+            up = self._upload_ahead(ahead) if ahead is not None else self._start_upload(key, chunk)
             try:
                 digest, copied = single_pass(
                     src,
                     src_fd,
-                    _PartSink(self, up),
+                    _PartSink(self, up, ahead),
                     self._pool,
                     chunk_size=chunk,
                     limit=before.size,
@@ -341,7 +352,58 @@ class S3Store:
                 raise
         finally:
             os.close(src_fd)
+        last = max(1, -(-copied // chunk))
+        for number in [n for n in up.parts if n > last]:  # pushed ahead past where the file ends now
+            del up.parts[number]
+            if up.crcs is not None:
+                up.crcs.pop(number, None)
         return StagedCopy(rel=rel, handle=up, digest=digest, size=copied, source=before)
+
+    def _start_upload(self, key: str, chunk: int) -> _Upload:
+        r = self.call(
+            "starting an upload to", key, "create_multipart_upload", Key=key, ChecksumAlgorithm="SHA256"
+        )
+        up = _Upload(store=id(self), key=key, upload_id=r["UploadId"], chunk=chunk)
+        if self.proof == SERVER_CHECKSUM:
+            up.crcs = {}
+        return up
+
+    # ------------------------------------------------------------------- pushed ahead of the seal
+
+    def begin_ahead(self, rel: str, source: tuple[int, int]) -> Ahead:
+        """An upload to push a file into while it is still being written (see `copier.Ahead`): its
+        parts are the stage's own (a file under 80 GB keeps the smallest part size)."""
+        chunk = part_size(0)
+        return Ahead(rel=rel, source=source, handle=self._start_upload(self._key(rel), chunk), chunk=chunk)
+
+    def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
+        up = self._upload_ahead(ahead)
+        end = upto - upto % ahead.chunk
+        if end <= ahead.done:
+            return
+        os.lseek(src_fd, ahead.done, os.SEEK_SET)
+        sink = _PartSink(self, up, ahead, recording=True)
+        _, n = single_pass(
+            Path(ahead.rel),
+            src_fd,
+            sink,
+            self._pool,
+            chunk_size=ahead.chunk,
+            limit=end - ahead.done,
+            start=ahead.done,
+        )
+        ahead.done += n - n % ahead.chunk
+
+    def discard_ahead(self, ahead: Ahead) -> None:
+        self._abort(self._upload_ahead(ahead))
+
+    def _upload_ahead(self, ahead: Ahead) -> _Upload:
+        up = ahead.handle
+        if not isinstance(up, _Upload) or up.store != id(self) or up.key != self.prefix + ahead.rel:
+            raise PreconditionError(
+                f"the copy of {ahead.rel} was not pushed ahead by the store at {self.url}"
+            )
+        return up
 
     def _upload_of(self, staged: StagedCopy) -> _Upload:
         up = staged.handle

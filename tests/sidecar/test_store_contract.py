@@ -63,6 +63,9 @@ class MemorySink:
     def written(self, end: int) -> None:
         self.ends.append(end)
 
+    def already(self, data: memoryview, offset: int) -> bool:
+        return False
+
     def alone(self, n: int) -> bool:
         """True for the chunk number `alone_at` (from 0)."""
         self._chunks += 1

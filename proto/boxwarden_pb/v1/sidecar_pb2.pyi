@@ -213,6 +213,7 @@ class SidecarConfig(_message.Message):
     DURABLE_CREDENTIALS_FILE_FIELD_NUMBER: _builtins.int
     KEEP_FIELD_NUMBER: _builtins.int
     DRAIN_GRACE_S_FIELD_NUMBER: _builtins.int
+    AHEAD_MIN_BYTES_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -259,6 +260,11 @@ class SidecarConfig(_message.Message):
     """Seconds SIGTERM leaves to push what is not durable before the sidecar exits (the profile's
     spot grace window). 0 means the default, 5.
     """
+    ahead_min_bytes: _builtins.int
+    """A file that grows past this many bytes is pushed while it is still being written (speculative
+    streaming): at its seal, the one full read pass writes only the chunks that changed since and
+    the tail. 0 means the default, 256 MiB.
+    """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Directories to watch, recursively. Absolute paths."""
@@ -298,10 +304,11 @@ class SidecarConfig(_message.Message):
         durable_credentials_file: _builtins.str = ...,
         keep: _builtins.str = ...,
         drain_grace_s: _builtins.int = ...,
+        ahead_min_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_min_bytes", b"ahead_min_bytes", "box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
