@@ -222,8 +222,12 @@ class SidecarClient:
         resp = await self._call("StopJob", lambda: self.stub.StopJob(req, timeout=grace_s + self.timeout_s))
         return resp.job
 
-    async def release(self, manifest_digest: str) -> pb.ReleaseArtifactsResponse:
-        req = pb.ReleaseArtifactsRequest(manifest_digest=manifest_digest, caller=self.caller)
+    async def release(
+        self, manifest_digest: str, *, accept_server_checksum: bool = False
+    ) -> pb.ReleaseArtifactsResponse:
+        req = pb.ReleaseArtifactsRequest(
+            manifest_digest=manifest_digest, caller=self.caller, accept_server_checksum=accept_server_checksum
+        )
         # It re-reads every durable copy before deleting anything: allow for a large tree.
         return await self._call("ReleaseArtifacts", lambda: self.stub.ReleaseArtifacts(req, timeout=3600))
 

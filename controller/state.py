@@ -237,15 +237,24 @@ class State:
 
     def keep_last_list(self, last: LastList) -> None:
         """Keep `last` as the box's last claims list (the hello and the listing as their wire bytes:
-        every field, proof and durable_only included), unless a list received later is kept already."""
+        every field, proof and durable_only included), unless the one kept is newer: of the same
+        run and taken at a later point of the box's own journal (its seq; never this machine's
+        clock, which may step back, nor the order in which two commands happened to store theirs)."""
         with self._tx() as db:
+            kept = db.execute("SELECT run_id, listing FROM last_claims WHERE box = ?", (last.box,)).fetchone()
+            if kept is not None and kept[0] == last.run_id:
+                try:
+                    newer = pb.ListArtifactsResponse.FromString(kept[1]).seq > last.listing.seq
+                except DecodeError:
+                    newer = False  # a damaged row is replaced
+                if newer:
+                    return
             db.execute(
                 "INSERT INTO last_claims(box, run_id, received_at_ns, manifest_digest, durable_url, "
                 "durable_root, hello, listing) VALUES (?,?,?,?,?,?,?,?) ON CONFLICT(box) DO UPDATE SET "
                 "run_id = excluded.run_id, received_at_ns = excluded.received_at_ns, "
                 "manifest_digest = excluded.manifest_digest, durable_url = excluded.durable_url, "
-                "durable_root = excluded.durable_root, hello = excluded.hello, listing = excluded.listing "
-                "WHERE excluded.received_at_ns >= last_claims.received_at_ns",
+                "durable_root = excluded.durable_root, hello = excluded.hello, listing = excluded.listing",
                 (
                     last.box,
                     last.run_id,

@@ -242,7 +242,9 @@ async def teardown(
         hello = await client.hello()
         before = state.teardown_steps(box.name)
         state.step(tearing, RELEASE, "no answer yet")
-        released = await client.release(verdict.box_manifest_digest)
+        released = await client.release(
+            verdict.box_manifest_digest, accept_server_checksum=verdict.accepted_server_checksum
+        )
         result.deleted = list(released.deleted)
         result.kept = list(released.kept)
         state.step_detail(box.name, RELEASE, f"{len(result.deleted)} deleted, {len(result.kept)} kept")

@@ -59,7 +59,7 @@ class AheadPusher:
 
     def on_write(self, art: str, path: Path) -> None:
         """A claimable file was written: follow it once it is big enough."""
-        self._forget_stale()
+        self.reap()
         if art in self._follows:
             return
         try:
@@ -79,11 +79,17 @@ class AheadPusher:
             return
         try:
             st = os.fstat(fd)
+            if not self._room(st.st_size, 0):
+                return
             f.ahead = await self._run(self._store.begin_ahead, art, (st.st_dev, st.st_ino))
             grew_at = time.monotonic()
             while not f.stop and time.monotonic() - grew_at < IDLE_S:
                 size = os.fstat(fd).st_size
                 if f.ahead is not None and size - f.ahead.done >= f.ahead.chunk:
+                    if not self._room(size, f.ahead.done):
+                        logger.info("stopped pushing %s ahead of its seal: its store is short of room", art)
+                        await self._discard(f)
+                        return
                     await self._run(self._store.push_ahead, f.ahead, fd, size)
                     grew_at = time.monotonic()
                 else:
@@ -130,7 +136,21 @@ class AheadPusher:
             with contextlib.suppress(SidecarError, OSError):
                 await self._run(self._store.discard_ahead, ahead)
 
-    def _forget_stale(self) -> None:
+    def _room(self, size: int, done: int) -> bool:
+        """Is there room to push a `size`-byte file from `done` on, and leave the writer room to
+        write as much again (the store may be the trainer's own disk), plus the sealer's reserve?"""
+        try:
+            space = self._store.space()
+        except SidecarError:
+            return False
+        if space is None:
+            return True
+        reserve = min(1 << 30, space.total_bytes // 50)
+        return space.free_bytes >= (size - done) + size + reserve
+
+    def reap(self) -> None:
+        """Discard copies pushed ahead that no seal took in time (the file was abandoned, or sealed
+        unchanged and never staged)."""
         now = time.monotonic()
         for art, f in list(self._follows.items()):
             if f.task.done() and now - f.ended_at > KEEP_S:

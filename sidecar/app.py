@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -25,10 +26,11 @@ import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from sidecar import __version__, children, mounts
-from sidecar.backlog import Backlog
+from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
+from sidecar.evidence import unsealed
 from sidecar.health import HealthHub
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
@@ -45,7 +47,7 @@ from sidecar.watcher import Watcher
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE = 8 << 20
-SHUTDOWN_MARGIN_S = 1.0
+SHUTDOWN_MARGIN_S = 1.5
 """Of the grace between SIGTERM and SIGKILL, what the drain leaves for the orderly shutdown."""
 
 
@@ -64,23 +66,26 @@ def _mount_signatures(ledger: Ledger, s: Settings) -> dict[Path, str]:
     return out
 
 
-async def _drain(backlog: Backlog, ledger: Ledger, grace_s: float) -> None:
+async def _drain(backlog: Backlog, sealer: Sealer, ledger: Ledger, grace_s: float) -> None:
     """Before exiting: push what is not durable yet, within the grace the platform leaves between
-    SIGTERM and SIGKILL (less a margin for the orderly shutdown), and journal what is still at risk."""
+    SIGTERM and SIGKILL (less a margin for the orderly shutdown), and journal what is still at risk.
+    A checkpoint still being written counts (a trainer's own SIGTERM handler saving one last time):
+    the drain waits for it to be closed, sealed and pushed."""
     budget = max(0.0, grace_s - SHUTDOWN_MARGIN_S)
-    if backlog.settled():
-        return
+    await sealer.stop_ahead()  # its pushes would take the workers from complete checkpoints
     logger.info("draining for up to %.1fs before exiting", budget)
     left = None
-    async for risk in backlog.drain(budget, every_s=budget + 1):
+    async for risk in backlog.drain(budget, every_s=budget + 1, pending=functools.partial(unsealed, sealer)):
         left = risk  # the last word is what is still at risk
-    if left is not None and left.files:
-        paths = ", ".join(c.path for c in left.first)
+    if left is not None and (left.files or left.pending):
+        paths = ", ".join([c.path for c in left.first] + left.pending[:AT_RISK_SHOWN])
         ledger.add_event(
             "DRAIN_UNFINISHED",
-            detail=f"{left.files} claims ({left.bytes} bytes) not durable at exit: {paths}",
+            detail=f"{left.files} claims ({left.bytes} bytes) not durable and {len(left.pending)} entries "
+            f"not sealed at exit: {paths}",
         )
-        logger.warning("exiting with %d claims (%d bytes) not durable", left.files, left.bytes)
+        logger.warning("exiting with %d claims (%d bytes) not durable, %d entries not sealed", left.files,
+                       left.bytes, len(left.pending))  # fmt: skip
 
 
 async def supervise(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -301,7 +306,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
             await asyncio.sleep(max(s.rescan_s, 50 * sealer.last_walk_s))
 
     workers = [
-        loop.create_task(supervise(name, fn))
+        loop.create_task(supervise(name, fn), name=name)
         for name, fn in (
             ("watcher", consume),
             ("rescan", rescans),
@@ -313,10 +318,13 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     logger.info("sidecar %s serving on unix:%s (pid %d)", __version__, s.socket_path, os.getpid())
     try:
         await stop.wait()
-        await _drain(backlog, ledger, s.drain_grace_s)
+        for w in workers:
+            if w.get_name() == "retention":
+                w.cancel()  # no more re-reads for deletions while the grace runs out
+        await _drain(backlog, sealer, ledger, s.drain_grace_s)
     finally:
         logger.info("shutting down")
-        await server.stop(grace=2.0)
+        await server.stop(grace=1.0)
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)

@@ -29,6 +29,10 @@ RETRY_CAP_S = 60.0
 DRAIN_RETRY_CAP_S = 1.0
 """While a drain runs, failed pushes are retried at least this often."""
 AT_RISK_SHOWN = 20
+PENDING_S = 0.5
+"""A drain that waits for unsealed entries looks at the watched dirs at most this often."""
+Pending = Callable[[], Awaitable[list[str]]]
+"""The entries of the watched dirs not sealed yet (a checkpoint being written), display form."""
 POLL_S = 0.05
 """How often a drain looks whether it is done (a ledger count and the seals under way: cheap)."""
 
@@ -57,6 +61,8 @@ class AtRisk:
     bytes: int
     bytes_per_s: float
     first: list[ClaimRow] = field(default_factory=list)  # newest first, at most AT_RISK_SHOWN
+    # Entries of the watched dirs not sealed yet (being written, changed, temp-named), when asked.
+    pending: list[str] = field(default_factory=list)
 
     @property
     def estimated_s(self) -> float:
@@ -114,34 +120,46 @@ class Backlog:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.delay())
 
-    def at_risk(self) -> AtRisk:
+    def at_risk(self, pending: list[str] | None = None) -> AtRisk:
         rows = self._ledger.not_durable()  # newest first
         return AtRisk(
             files=len(rows),
             bytes=sum(c.size for c in rows),
             bytes_per_s=self.bandwidth.bytes_per_s(),
             first=rows[:AT_RISK_SHOWN],
+            pending=pending or [],
         )
 
     def settled(self) -> bool:
         """Nothing at risk that the sidecar knows of: every claim durable and no seal under way."""
         return not self.waiting() and not self._busy()
 
-    async def drain(self, timeout_s: float, *, every_s: float = 1.0) -> AsyncIterator[AtRisk]:
+    async def drain(
+        self, timeout_s: float, *, every_s: float = 1.0, pending: Pending | None = None
+    ) -> AsyncIterator[AtRisk]:
         """Push everything now; yield what is at risk at once, then every `every_s` until nothing
-        is (and no seal is under way) or `timeout_s` passed, then once more as the last word."""
+        is (no claim unproven, no seal under way and, with `pending`, no entry of the watched dirs
+        left unsealed: a checkpoint still being written) or `timeout_s` passed, then once more as
+        the last word. `pending()` walks the watched dirs: it is asked at most every `PENDING_S`."""
         self._draining += 1
         try:
             self.attempt = 0
             self.wake("a drain was asked for")
             deadline = time.monotonic() + timeout_s
-            yield self.at_risk()
-            last = time.monotonic()
-            while not self.settled() and time.monotonic() < deadline:
+            waiting = await pending() if pending is not None else []
+            asked = shown = time.monotonic()
+            yield self.at_risk(waiting)
+            while time.monotonic() < deadline:
+                if self.settled() and (not waiting or time.monotonic() - asked >= PENDING_S):
+                    if pending is None:
+                        break
+                    waiting, asked = await pending(), time.monotonic()
+                    if not waiting:
+                        break
                 await asyncio.sleep(POLL_S)
-                if time.monotonic() - last >= every_s and not self.settled():
-                    last = time.monotonic()
-                    yield self.at_risk()
-            yield self.at_risk()
+                if time.monotonic() - shown >= every_s:
+                    shown = time.monotonic()
+                    yield self.at_risk(waiting)
+            yield self.at_risk(await pending() if pending is not None else [])
         finally:
             self._draining -= 1

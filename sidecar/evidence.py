@@ -101,6 +101,13 @@ def _collect(
     )
 
 
+async def unsealed(sealer: Sealer) -> list[str]:
+    """The entries of the watched dirs a drain waits for: being written, changed since their
+    claim, or temp-named (a save in progress). Unclaimable ones never seal by themselves."""
+    ev = await box_evidence(sealer)
+    return [p.path for p in ev.pending if p.state != UNCLAIMABLE]
+
+
 def box_evidence(sealer: Sealer, current: list[ClaimRow] | None = None) -> Coroutine[Any, Any, BoxEvidence]:
     """The pending entries now. The ledger belongs to the loop thread: the claims and the sealer's
     dirty and busy sets are read here, at the call, together; the walk runs off-loop when the result

@@ -8,10 +8,14 @@ always kept, and so is one whose FILE exists but holds no finite number at KEY. 
 is kept.
 
 A checkpoint is found by its step number: past the roster cell (and, with several watched dirs,
-the watched dir's name), the first path component holding digits is the checkpoint's (its last run
-of digits is the step), and its path with those digits replaced is the series: `cell/step-100.pt`
-is step 100 of `cell/step-*.pt`; `cell/ckpt-100/model.pt` and `cell/ckpt-100/metrics.json` are
-step 100 of `cell/ckpt-*`. A claim without digits there (`cell/last.pt`) is never retired.
+the watched dir's name), the first path component that names a step (`step`, `ckpt`, `checkpoint`,
+`epoch`, `iter`, `global_step`, `it` followed by a number, as in `step-100.pt`, `checkpoint-500`,
+`epoch=3-step=1000.ckpt`, `global_step1000`) is the checkpoint's; its last such number is the step,
+and the path with that number replaced is the series: `cell/step-100.pt` is step 100 of
+`cell/step-*.pt`; `cell/checkpoint-500/model-00001-of-00002.safetensors` is step 500 of
+`cell/checkpoint-*`; `cell/seed1/step-200.pt` is step 200 of `cell/seed1/step-*.pt`. Other numbers
+(a seed, a rank, a date, a shard) are not steps: a claim with no step name (`cell/last.pt`,
+`cell/v2/best.pt`, `cell/weights-100.pt`) is never retired (in doubt, kept).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from sidecar.compat import SLOTS
 from sidecar.ledger import ClaimRow
 
-_DIGITS = re.compile(r"\d+")
+_STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|epoch|iter|it)[-_=]?(\d+)")
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_METRICS = 1 << 20
 
@@ -84,11 +88,11 @@ def place(path: str, skip: int) -> _Place | None:
     parts = path.split("/")
     head = min(skip, len(parts) - 1)  # a file right in the watched dir has no cell
     for i in range(head, len(parts)):
-        runs = list(_DIGITS.finditer(parts[i]))
+        runs = list(_STEP.finditer(parts[i]))
         if runs:
             last = runs[-1]
-            pattern = parts[i][: last.start()] + "*" + parts[i][last.end() :]
-            return _Place("/".join([*parts[:i], pattern]), int(last.group()), "/".join(parts[i + 1 :]))
+            pattern = parts[i][: last.start(1)] + "*" + parts[i][last.end(1) :]
+            return _Place("/".join([*parts[:i], pattern]), int(last.group(1)), "/".join(parts[i + 1 :]))
     return None
 
 

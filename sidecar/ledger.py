@@ -357,9 +357,13 @@ class Ledger:
     def retired_copy(self, path: str) -> ClaimRow | None:
         """The claim whose durable copy lies at `path` if that claim ended because its file left the
         box (deleted, renamed away, released) and its copy was not kept aside yet: a new copy for
-        the same path must not replace it. A claim superseded by a rewrite of its file is not one."""
+        the same path must not replace it. A claim superseded by a rewrite of its file is not one.
+        A durable-only claim counts whether or not it is durable now: its copy is the only one left
+        (a store error at a later proof must not let a new file's copy replace it)."""
         row = self._db.execute(
-            "SELECT * FROM claims WHERE path = ? AND durable = 1 ORDER BY id DESC LIMIT 1", (path,)
+            "SELECT * FROM claims WHERE path = ? AND (durable = 1 OR durable_only = 1)"
+            " ORDER BY id DESC LIMIT 1",
+            (path,),
         ).fetchone()
         if row is None or row["current"] or row["ended_reason"] == "superseded" or row["kept_at"]:
             return None

@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
@@ -83,7 +84,11 @@ class Releaser:
         """A release succeeded on this sidecar: the box's artifacts are gone for its teardown."""
         return self._released
 
-    async def release(self, digest: str, caller: Caller | None = None) -> ReleaseResult:
+    async def release(
+        self, digest: str, caller: Caller | None = None, *, accept_server_checksum: bool = False
+    ) -> ReleaseResult:
+        """`accept_server_checksum`: the user accepted copies proven by the store's checksum only;
+        otherwise every copy is read back whole before any box copy is deleted."""
         if self._lock.locked():
             return ReleaseResult(
                 refused=[Refusal("RELEASE_RUNNING", detail="another release is running on this box")]
@@ -91,7 +96,7 @@ class Releaser:
         async with self._lock:
             result = ReleaseResult()
             verified = self._s.ledger.current_claims()
-            result.refused = await self._preconditions(digest, verified, caller)
+            result.refused = await self._preconditions(digest, verified, caller, accept_server_checksum)
             if result.refused:
                 return result
             # Only the claims the digest named and that were just proven durable: one sealed while
@@ -113,7 +118,7 @@ class Releaser:
             return result
 
     async def _preconditions(
-        self, digest: str, claims: list[ClaimRow], caller: Caller | None
+        self, digest: str, claims: list[ClaimRow], caller: Caller | None, cheap_proof: bool
     ) -> list[Refusal]:
         refused: list[Refusal] = []
         if digest != manifest_digest(claims):
@@ -132,14 +137,19 @@ class Releaser:
         # The ledger's word is not enough to delete the only other copy: prove every copy now.
         for c in claims:
             try:
-                proof = await self._s.run(self._s.store.verify, c.path, c.blake3)
+                prove = functools.partial(self._s.store.verify, c.path, c.blake3, reread=not cheap_proof)
+                proof = await self._s.run(prove)
             except SidecarError as e:  # the store failed, or a symlink was planted in it
-                proof, why = None, str(e)
-            else:
-                why = "the durable copy did not hash equal when proven again before the release"
+                # Refused, nothing deleted; the claim keeps its state: a failure to look is not
+                # a copy found wrong (and a durable-only claim's copy is the only one left).
+                refused.append(
+                    Refusal("NOT_DURABLE", c.path, f"its durable copy could not be proven now: {e}")
+                )
+                continue
             if proof:
                 self._s.ledger.mark_durable(c.id, proof)  # records when and how it was proven
             else:
+                why = "the durable copy did not hash equal when proven again before the release"
                 self._s.ledger.mark_not_durable(c.id, why)
                 refused.append(Refusal("NOT_DURABLE", c.path, why))
         if refused:

@@ -52,6 +52,11 @@ class Retainer:
                 now = self._s.ledger.current(c.path)
                 if now is None or now.id != c.id or not now.durable or now.durable_only:
                     continue
+                # The rules again, on the claims as they are now: a pass takes a while, and the
+                # newest checkpoint may have gone meanwhile (deleted after a NaN, resumed from older).
+                still = choose(self._s.ledger.current_claims(), self.rules, self._skip, self._metric)
+                if all(x.id != c.id for x in still):
+                    continue
                 why = await self._retire(now)
             if why:
                 logger.info("retention keeps %s on the box: %s", c.path, why)
@@ -99,6 +104,11 @@ class Retainer:
             return "its claim changed meanwhile"
         aside = path.with_name(f"{RELEASE_ASIDE_PREFIX}{c.id}")
         why, mismatch = await self._s.run(delete_verified, path, aside, c)
+        if why and not os.path.lexists(path) and not os.path.lexists(aside):
+            # Unlinked after all (a writer opened it just as it went): the box copy is gone, and the
+            # claim is durable-only whatever the writer meant to do with it.
+            logger.warning("%s: %s; its box copy is gone, its durable copy was just proven", c.path, why)
+            why = ""
         if why:
             self._s.ledger.set_durable_only(c.id, False)
             if mismatch:

@@ -283,6 +283,8 @@ class Sealer:
         started = time.monotonic()
         self._last_rescan = started
         self.check_roots()
+        if self._ahead is not None:
+            self._ahead.reap()
         walked = await self.scan(self.namer.walk)
         self.last_walk_s = time.monotonic() - started
         claims = {c.path: c for c in self.ledger.current_claims()}
@@ -309,8 +311,13 @@ class Sealer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.stop_ahead()
+
+    async def stop_ahead(self) -> None:
+        """Stop pushing files ahead of their seal (and drop what was pushed): at shutdown."""
         if self._ahead is not None:
             await self._ahead.close()
+            self._ahead = None
 
     # -- sealing ----------------------------------------------------------------------------------
 
@@ -450,10 +457,11 @@ class Sealer:
             claim = None
         self._unsure.discard(art)
         staged: StagedCopy | None = None
-        push_error = self._space_short(ident.size)
         started = time.monotonic()
         ahead = await self._ahead.take(art, ident) if self._ahead is not None else None
         note = f"{ahead.done} bytes pushed ahead of the seal" if ahead is not None else ""
+        # What was pushed ahead already takes its room in the store.
+        push_error = self._space_short(ident.size - (ahead.done if ahead is not None else 0))
         if ahead is not None and push_error:
             await self.run(self.store.discard_ahead, ahead)
             ahead = None
@@ -553,6 +561,8 @@ class Sealer:
         for claim in self.ledger.not_durable():
             if claim.path in self._tasks:
                 continue  # being sealed right now: that seal pushes and proves it
+            if claim.durable_only and claim.push_error.startswith("LOST:"):
+                continue  # nothing on the box can push it, and re-reading a rotten copy costs egress
             async with self.lock(claim.path):
                 now = self.ledger.current(claim.path)
                 if now is None or now.id != claim.id or now.durable:

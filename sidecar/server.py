@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -31,7 +32,7 @@ from sidecar.backlog import AtRisk, Backlog
 from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
-from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, BoxEvidence, box_evidence
+from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, BoxEvidence, box_evidence, unsealed
 from sidecar.hashing import new_hasher
 from sidecar.health import HealthHub, job_to_pb
 from sidecar.identity import FileIdentity
@@ -299,32 +300,44 @@ class SidecarService:
         what it receives; a copy that no longer matches fails its pull, as any changed file does."""
         loop = asyncio.get_running_loop()
         store = self._p.store
+        hasher = new_hasher() if offset == 0 else None
         while offset < claim.size:
             data = await loop.run_in_executor(
                 None, store.read, claim.path, offset, min(CHUNK, claim.size - offset)
             )
             if not data:
                 raise ChangedError(f"{claim.path!r}: its durable copy is shorter than the claim")
+            if hasher is not None:
+                hasher.update(data)
             yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
             offset += len(data)
+        if hasher is not None and hasher.hexdigest() != claim.blake3:
+            # The only copy no longer holds the claimed bytes: say so everywhere, not only here.
+            self._p.ledger.mark_not_durable(
+                claim.id, "MISMATCH: a read of the durable-only copy found other bytes"
+            )
+            self._p.journal.ring()
+            raise ChangedError(f"{claim.path!r}: its durable copy no longer holds the claimed bytes")
         if claim.size == 0:
             yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
 
     @translated
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> AsyncIterator[pb.DrainProgress]:
         backlog = self._p.backlog
-        pending = len((await box_evidence(self._p.sealer)).pending)
+        sealer = self._p.sealer
         if not request.wait:
             backlog.wake("a drain was asked for")
-            yield _progress(backlog.at_risk(), pending, done=True)
+            yield _progress(backlog.at_risk(), len((await box_evidence(sealer)).pending), done=True)
             return
         last: AtRisk | None = None
-        async for risk in backlog.drain(float(request.timeout_s or DRAIN_TIMEOUT_S)):
+        timeout = float(request.timeout_s or DRAIN_TIMEOUT_S)
+        async for risk in backlog.drain(timeout, pending=functools.partial(unsealed, sealer)):
             if last is not None:
-                yield _progress(last, pending, done=False)
+                yield _progress(last, len(last.pending), done=False)
             last = risk
         assert last is not None
-        yield _progress(last, len((await box_evidence(self._p.sealer)).pending), done=True)
+        # The last word counts every entry not sealed, unclaimable ones too: all are at risk.
+        yield _progress(last, len((await box_evidence(sealer)).pending), done=True)
 
     @translated
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
@@ -419,7 +432,9 @@ class SidecarService:
         self, request: pb.ReleaseArtifactsRequest, context: Ctx
     ) -> pb.ReleaseArtifactsResponse:
         caller = _caller(request.caller) if request.HasField("caller") else None
-        result = await self._p.releaser.release(request.manifest_digest, caller)
+        result = await self._p.releaser.release(
+            request.manifest_digest, caller, accept_server_checksum=request.accept_server_checksum
+        )
         return pb.ReleaseArtifactsResponse(
             deleted=result.deleted,
             kept=result.kept,

@@ -169,10 +169,20 @@ def test_an_old_copy_is_kept_aside_never_deleted(
     assert got == old.read_bytes() and store.verify("cell-a/best.bin", staged.digest)
     store.commit(store.stage(new, "cell-b/best.bin"))
     store.keep_aside("cell-b/best.bin", "retired-8")
-    store.commit(store.stage(new, "cell-b/best.bin"))
+    other = write_random(tmp_path / "other.bin", MIB)
+    store.commit(store.stage(other, "cell-b/best.bin"))
     with pytest.raises(StorageError, match="taken already"):
         store.keep_aside("cell-b/best.bin", "retired-8")
     assert store.exists("cell-b/best.bin")  # refused: the copy stays where it was
+    # A keep_aside killed between its copy and its delete left both: the next one finishes it.
+    store.commit(store.stage(new, "cell-c/best.bin"))
+    s3.client().copy_object(
+        Bucket=bucket,
+        Key="durable/box1/run1/.boxwarden-attic/retired-9/cell-c/best.bin",
+        CopySource={"Bucket": bucket, "Key": "durable/box1/run1/cell-c/best.bin"},
+    )
+    assert store.keep_aside("cell-c/best.bin", "retired-9") == ".boxwarden-attic/retired-9/cell-c/best.bin"
+    assert not store.exists("cell-c/best.bin")
 
 
 def test_s3_failures_are_storage_errors_that_name_the_object_and_never_the_secret(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import zlib
 from collections import deque
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
@@ -56,24 +55,29 @@ class Sink(Protocol):
 @dataclass
 class Ahead:
     """A copy pushed while its file was still being written (speculative streaming): the store's
-    handle of the copy in progress, the file it reads, and the CRC-32 and length of every chunk
+    handle of the copy in progress, the file it reads, and the blake3 and length of every chunk
     written so far, by offset. At the seal, the stage's one full read pass hashes every byte and
-    writes again each chunk whose CRC differs (a writer that went back and rewrote it); the proof
-    of the committed copy then decides, as for any copy."""
+    writes again each chunk whose blake3 differs (a writer that went back and rewrote it): a strong
+    hash, so that a store proven by its own checksum (computed from the same chunks) is not left
+    to a CRC's luck; the proof of the committed copy then decides, as for any copy."""
 
     rel: str
     source: tuple[int, int]  # (st_dev, st_ino) of the file it reads
     handle: object
     chunk: int
-    chunks: dict[int, tuple[int, int]] = field(default_factory=dict)
+    chunks: dict[int, tuple[bytes, int]] = field(default_factory=dict)
     done: int = 0  # every byte before it was pushed (a multiple of `chunk`)
 
     def matches(self, data: memoryview, offset: int) -> bool:
         known = self.chunks.get(offset)
-        return known is not None and known[1] == len(data) and known[0] == zlib.crc32(data)
+        return known is not None and known[1] == len(data) and known[0] == _chunk_digest(data)
 
     def record(self, data: memoryview, offset: int) -> None:
-        self.chunks[offset] = (zlib.crc32(data), len(data))
+        self.chunks[offset] = (_chunk_digest(data), len(data))
+
+
+def _chunk_digest(data: memoryview) -> bytes:
+    return bytes(hashing.new_hasher().update(data).digest())
 
 
 def single_pass(

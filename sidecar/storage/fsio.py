@@ -191,9 +191,11 @@ def preallocate(fd: int, size: int) -> bool:
 
     Why: ext4 takes the inode lock exclusively for an O_DIRECT write that allocates blocks or
     extends the file, and holds it until the device has the data, so the parallel writes of a copy
-    into a new file reached the device one at a time (one 8 MiB request in flight, where the
-    writeback of `cp` keeps dozens: on a shared or remote disk, stage ran 1.5x slower than `cp`).
-    Writes into allocated blocks within the file's size take it shared and run side by side.
+    into a new file reached the device one at a time (the other writers wait in
+    ext4_file_write_iter), where the writeback of `cp` keeps dozens of requests in flight. On a
+    disk shared with another writer, staging 1 GiB took 2.7 s against 1.0 s for `cp && sync`;
+    preallocated, 0.9 s. Writes into allocated blocks within the file's size take the lock shared
+    and run side by side.
     """
     fallocate = _fallocate()
     if fallocate is None or size <= 0:

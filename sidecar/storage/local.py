@@ -211,7 +211,12 @@ class LocalStore:
         self, src: Path, rel: str, *, progress: Progress | None = None, ahead: Ahead | None = None
     ) -> StagedCopy:
         split_rel(rel)
-        before, src_fd = open_source(src)
+        try:
+            before, src_fd = open_source(src)
+        except BaseException:
+            if ahead is not None:
+                self.discard_ahead(ahead)
+            raise
         if ahead is not None and (ahead.rel != rel or ahead.source != (before.dev, before.ino)):
             self.discard_ahead(ahead)  # pushed from another file (the path was replaced since)
             ahead = None

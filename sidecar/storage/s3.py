@@ -327,7 +327,12 @@ class S3Store:
         self, src: Path, rel: str, *, progress: Progress | None = None, ahead: Ahead | None = None
     ) -> StagedCopy:
         key = self._key(rel)
-        before, src_fd = open_source(src)
+        try:
+            before, src_fd = open_source(src)
+        except BaseException:
+            if ahead is not None:
+                self.discard_ahead(ahead)
+            raise
         try:
             chunk = part_size(before.size)
             if ahead is not None and (
@@ -352,7 +357,7 @@ class S3Store:
                 raise
         finally:
             os.close(src_fd)
-        last = max(1, -(-copied // chunk))
+        last = -(-copied // chunk)  # 0 for an empty file: commit then sends one empty part
         for number in [n for n in up.parts if n > last]:  # pushed ahead past where the file ends now
             del up.parts[number]
             if up.crcs is not None:
@@ -512,8 +517,18 @@ class S3Store:
         head = self._head(key)
         if head is None:
             return where if self._head(aside) is not None else None
-        if self._head(aside) is not None:
-            raise StorageError(f"s3://{self.bucket}/{aside} is taken already; the old copy stays at {key}")
+        kept = self._head(aside)
+        if kept is not None:
+            same = kept.get("ContentLength") == head.get("ContentLength") and (
+                kept.get("Metadata") or {}
+            ).get("blake3") == (head.get("Metadata") or {}).get("blake3")
+            if not same or not (head.get("Metadata") or {}).get("blake3"):
+                raise StorageError(
+                    f"s3://{self.bucket}/{aside} is taken already; the old copy stays at {key}"
+                )
+            # A keep_aside killed between its copy and its delete: the copy is whole, finish it.
+            self.call("removing the old copy at", key, "delete_object", Key=key)
+            return where
         self._copy(key, aside, int(head["ContentLength"]))
         self.call("removing the old copy at", key, "delete_object", Key=key)
         logger.warning("kept the old copy at %s aside at %s: a new file took its path", rel, where)
@@ -540,6 +555,15 @@ class S3Store:
                 logger.warning("durable copy s3://%s/%s: the server's CRC-32 is not ours", self.bucket, key)
                 return None
             # No full-object checksum from the server (copied by parts, or a store without one).
+        else:
+            # A HEAD first: an object whose own metadata names other bytes (a failed push's
+            # leftover, a copy of another claim) is not worth downloading to find out.
+            head = self._head(key)
+            if head is None:
+                return None
+            named = (head.get("Metadata") or {}).get("blake3")
+            if (named and named != digest) or int(head.get("ContentLength", -1)) < 0:
+                return None
         try:
             body = self._client.get_object(Bucket=self.bucket, Key=key)["Body"]
         except self._errors as exc:

@@ -80,7 +80,7 @@ def state(tmp_path: Path, store: Path) -> State:
     return s
 
 
-def keep(state: State, claims: list[pb.Claim], at_ns: int = 0) -> LastList:
+def keep(state: State, claims: list[pb.Claim], at_ns: int = 0, seq: int = 0) -> LastList:
     box = state.get(BOX)
     hello = pb.HelloResponse(
         box_name=BOX,
@@ -90,7 +90,9 @@ def keep(state: State, claims: list[pb.Claim], at_ns: int = 0) -> LastList:
         durable_url=box.durable,
         durable_root=f"{box.durable}/{BOX}/{RUN}",
     )
-    last = LastList(BOX, RUN, at_ns or 10**18, box.durable, hello, listing_of(claims))
+    listing = listing_of(claims)
+    listing.seq = seq
+    last = LastList(BOX, RUN, at_ns or 10**18, box.durable, hello, listing)
     state.keep_last_list(last)
     return last
 
@@ -101,14 +103,15 @@ def pull(state: State, to: Path) -> PullReport:
 
 def test_the_last_list_keeps_every_field_and_a_later_list_wins(state: State) -> None:
     claims = claims_of(FILES, durable=True, proof="server-checksum", durable_only=True)
-    kept = keep(state, claims, at_ns=2 * 10**18)
+    kept = keep(state, claims, at_ns=2 * 10**18, seq=20)
     got = state.last_list(BOX)
     assert got is not None and got == kept
     assert [(c.proof, c.durable_only) for c in got.listing.claims] == [("server-checksum", True)] * 4
-    keep(state, claims[:1], at_ns=10**18)  # received earlier, stored later (a slow command): ignored
+    # Taken earlier in the box's journal, stored later (a slow command, a clock stepped forward): ignored.
+    keep(state, claims[:1], at_ns=3 * 10**18, seq=10)
     got = state.last_list(BOX)
     assert got is not None and len(got.listing.claims) == 4
-    keep(state, claims[:1], at_ns=3 * 10**18)
+    keep(state, claims[:1], at_ns=10**18, seq=30)  # newer in the journal, whatever this clock says
     got = state.last_list(BOX)
     assert got is not None and len(got.listing.claims) == 1 and got.received_at.endswith("Z")
     assert state.last_list("other") is None and state.durable_pull(BOX) is None

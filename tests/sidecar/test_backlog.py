@@ -214,3 +214,30 @@ def test_sigterm_journals_what_the_grace_could_not_save(tmp_path: Path) -> None:
         unfinished = [r[0] for r in db.execute("SELECT detail FROM events WHERE kind = 'DRAIN_UNFINISHED'")]
         db.close()
         assert len(unfinished) == 1 and "1 claims" in unfinished[0] and "big.pt" in unfinished[0]
+
+
+def test_sigterm_waits_for_a_checkpoint_still_being_written_and_pushes_it(tmp_path: Path) -> None:
+    """A trainer's own SIGTERM handler saving one last time: the file is open when the sidecar is
+    told to go; the drain waits for it to be closed, seals it and proves its copy before exiting."""
+    with running(tmp_path, drain_grace_s=20) as d:
+        path = d.watch / "emergency.pt"
+        assert d.proc is not None
+        proc = d.proc
+        with open(path, "wb") as w:
+            w.write(os.urandom(8 * MIB))
+            w.flush()
+            wait_until(
+                lambda: [p.path for p in d.listing().pending] == ["emergency.pt"],
+                timeout=30,
+                what="the pending entry",
+            )
+            os.kill(proc.pid, signal.SIGTERM)
+            w.write(os.urandom(8 * MIB))
+        digest = blake3.blake3(path.read_bytes()).hexdigest()
+        assert proc.wait(timeout=40) == 0
+        d.proc = None
+        db = sqlite3.connect(d.state / "ledger.sqlite")
+        rows = db.execute("SELECT path, blake3, durable FROM claims WHERE current = 1").fetchall()
+        unfinished = db.execute("SELECT count(*) FROM events WHERE kind = 'DRAIN_UNFINISHED'").fetchone()[0]
+        db.close()
+        assert rows == [("emergency.pt", digest, 1)] and unfinished == 0

@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import blake3
+import grpc
 import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
@@ -71,7 +72,14 @@ def test_checkpoints_are_found_by_their_step_past_the_cell() -> None:
     assert p is not None and (p.series, p.step, p.inner) == ("run2/ckpt-*", 7, "model.safetensors")
     p = place("ckpt-5.pt", 1)  # right in the watched dir: no cell
     assert p is not None and (p.series, p.step) == ("ckpt-*.pt", 5)
-    assert place("cell-3/last.pt", 1) is None  # no step: never retired
+    p = place("c/checkpoint-500/model-00001-of-00002.safetensors", 1)  # HF Trainer: shards are no steps
+    assert p is not None and (p.series, p.step) == ("c/checkpoint-*", 500)
+    p = place("c/seed1/step-200.pt", 1)  # a seed is no step
+    assert p is not None and (p.series, p.step) == ("c/seed1/step-*.pt", 200)
+    p = place("c/epoch=3-step=1000.ckpt", 1)  # Lightning: the last step-like number
+    assert p is not None and (p.series, p.step) == ("c/epoch=3-step=*.ckpt", 1000)
+    for never in ("cell-3/last.pt", "c/v2/best.pt", "c/2024-06-01/ckpt.pt", "c/rank0/weights-100.pt"):
+        assert place(never, 1) is None, never  # no step name: never retired
 
 
 def test_choose_keeps_the_newest_the_multiples_the_best_and_the_doubtful() -> None:
@@ -229,6 +237,20 @@ def test_a_sidecar_retires_old_checkpoints_and_serves_them_from_durable(tmp_path
             len(attic) == 1
             and blake3.blake3(attic[0].read_bytes()).hexdigest() == digests["cell-a/step-1.pt"]
         )
+        # The only copy of step-2 rots: a read through the sidecar fails, and the claim says so.
+        copy = d.store / "cell-a" / "step-2.pt"
+        copy.write_bytes(b"x" + copy.read_bytes()[1:])
+        with pytest.raises(grpc.RpcError):
+            b"".join(
+                ch.data
+                for ch in d.stub.ReadArtifact(pb.ReadArtifactRequest(path="cell-a/step-2.pt"), timeout=30)
+            )
+        bad = wait_until(
+            lambda: next((c for c in d.claims() if c.path == "cell-a/step-2.pt" and not c.durable), None),
+            timeout=30,
+            what="the rotten durable-only claim not durable",
+        )
+        assert bad.durable_only
 
 
 def test_a_config_with_rules_that_cannot_mean_anything_is_refused(tmp_path: Path) -> None:
@@ -250,3 +272,16 @@ def test_ledger_records_proofs_and_durable_only_across_a_reopen(tmp_path: Path) 
     got = again.current("a.pt")
     assert got is not None and (got.proof, got.durable_only) == ("server-checksum", True)
     again.close()
+
+
+def test_a_durable_only_copy_stays_the_retired_one_even_when_a_proof_of_it_failed(tmp_path: Path) -> None:
+    """Its box copy is gone: a later failed proof (durable = 0) must not let a new file's copy
+    replace it at its path; it is the copy `_keep_retired` moves aside."""
+    ledger = Ledger(tmp_path / "l.sqlite")
+    c = ledger.add_claim("c/step-1.pt", 1, "0" * 64, FileIdentity(1, 2, 1, 3, 4))
+    assert ledger.mark_durable(c.id, "reread") and ledger.set_durable_only(c.id, True)
+    ledger.mark_not_durable(c.id, "MISMATCH: a proof failed")
+    assert ledger.end_claim("c/step-1.pt", "a new file took the path", "ARTIFACT_REMOVED")
+    kept = ledger.retired_copy("c/step-1.pt")
+    assert kept is not None and kept.id == c.id
+    ledger.close()

@@ -1266,8 +1266,13 @@ class ReleaseArtifactsRequest(_message.Message):
 
     MANIFEST_DIGEST_FIELD_NUMBER: _builtins.int
     CALLER_FIELD_NUMBER: _builtins.int
+    ACCEPT_SERVER_CHECKSUM_FIELD_NUMBER: _builtins.int
     manifest_digest: _builtins.str
     """Must equal the current manifest digest."""
+    accept_server_checksum: _builtins.bool
+    """The user accepted copies proven by the store's checksum only (`down --accept-server-checksum`):
+    the release may prove them again that way. Otherwise every copy is read back whole first.
+    """
     @_builtins.property
     def caller(self) -> Global___Caller:
         """As in ListJobsRequest."""
@@ -1277,10 +1282,11 @@ class ReleaseArtifactsRequest(_message.Message):
         *,
         manifest_digest: _builtins.str = ...,
         caller: Global___Caller | None = ...,
+        accept_server_checksum: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "manifest_digest", b"manifest_digest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_server_checksum", b"accept_server_checksum", "caller", b"caller", "manifest_digest", b"manifest_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
