@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from bench import hashing, push, remote, scale
+from bench import hashing, push, remote, s3push, scale, trainstep
 from bench.common import Context, FigureResult, MiB, fs_type, is_memory_fs, machine_info
 
 logger = logging.getLogger(__name__)
 
-FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, scale, remote)}
+FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, s3push, trainstep, scale, remote)}
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
@@ -74,8 +74,8 @@ def _table(results: list[FigureResult]) -> str:
         rows.append(
             (
                 f"{r.title}, {r.size_bytes // MiB} MiB",
-                f"{r.ours.median_s:.3f} s",
-                f"{r.baseline.median_s:.3f} s",
+                _secs(r.ours.median_s),
+                _secs(r.baseline.median_s),
                 f"{r.ratio:.3f} ({r.ratio_kind})",
                 r.target_text,
                 "pass" if r.passed else "FAIL",
@@ -87,12 +87,16 @@ def _table(results: list[FigureResult]) -> str:
     lines.append("medians; every run, sorted:")
     for r in results:
         for name, side in (("ours", r.ours), ("baseline", r.baseline)):
-            runs = ", ".join(f"{t:.3f}" for t in sorted(t.total for t in side.runs))
-            lines.append(f"  {r.key} {name} = {side.label}: {runs} s")
+            runs = ", ".join(_secs(t) for t in sorted(t.total for t in side.runs))
+            lines.append(f"  {r.key} {name} = {side.label}: {runs}")
             parts = side.to_json()["parts_median_s"]
             if parts:
                 lines.append("    median parts: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()))
     return "\n".join(lines)
+
+
+def _secs(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 0.1 else f"{t:.3f} s"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -274,6 +274,7 @@ class LocalStore:
         if end <= ahead.done:
             return
         os.lseek(src_fd, ahead.done, os.SEEK_SET)
+        self._reserve(held.fd, held.path, end)  # O_DIRECT writes into allocated blocks run side by side
         sink = _FileSink(held.fd, held.path, held.direct, ahead, recording=True)
         _, n = single_pass(
             held.path,

@@ -6,9 +6,10 @@ This module owns the copy, commit and proof of one artifact in a bucket:
   multipart upload, with a SHA256 checksum the server checks; a part is sent from the pass's own
   buffer (bounded memory: a few parts, never the file). The upload in progress is the staged copy's
   handle: an upload is invisible until it is completed, so nothing half-sent is ever an object.
-- commit: complete the upload at the artifact's key, then write the claim's blake3 into the
-  object's metadata (a server-side copy onto itself: S3 takes metadata only when an object is made,
-  and the digest is known only once the pass is over).
+- commit: complete the upload at the artifact's key, then label the object with the claim's blake3
+  and size: as tags (one small request) where the proof is a re-read, as metadata (a server-side
+  copy of the object onto itself: S3 takes metadata only when an object is made) where the proof is
+  the server's checksum, or where the store has no tagging.
 - verify: GET the whole object and hash it; equal to the claim → proven ("reread"). With
   `?proof=server-checksum` the user accepts a cheaper, weaker proof instead: the stage also takes
   each part's CRC-32 from the same buffers, commit asks the server to compute the whole object's
@@ -445,13 +446,39 @@ class S3Store:
             self._abort(up)
             raise
         meta = {"blake3": staged.digest, "size": str(staged.size)}
-        checksum = None
-        if up.crcs is not None:
-            meta["crc32"] = _crc_text(crc.combine([up.crcs[n] for n in sorted(up.crcs)]))
-            checksum = "CRC32"
-        self._copy(up.key, up.key, staged.size, metadata=meta, checksum=checksum)
+        if up.crcs is not None or not self._tag(up.key, meta):
+            # The server's checksum is the proof: it computes the whole object's CRC-32 as it copies
+            # the object onto itself, with our labels as metadata (and a store without tagging).
+            checksum = None
+            if up.crcs is not None:
+                meta["crc32"] = _crc_text(crc.combine([up.crcs[n] for n in sorted(up.crcs)]))
+                checksum = "CRC32"
+            self._copy(up.key, up.key, staged.size, metadata=meta, checksum=checksum)
         logger.debug("committed %s (%d bytes, %s)", staged.rel, staged.size, staged.digest)
         return None  # keys have no kinds: "a" and "a/b" live side by side, nothing is ever in the way
+
+    def _tag(self, key: str, labels: dict[str, str]) -> bool:
+        """Label the object with tags (one small request); False where the store has no tagging
+        (the caller then writes the labels as metadata, by copying the object onto itself)."""
+        tags = {"TagSet": [{"Key": k, "Value": v} for k, v in labels.items()]}
+        try:
+            self.call("labelling", key, "put_object_tagging", Key=key, Tagging=tags)
+        except StorageError as e:
+            if "NotImplemented" in str(e) or "(HTTP 501)" in str(e):
+                return False
+            raise
+        return True
+
+    def _named_digest(self, key: str, head: dict[str, Any]) -> str:
+        """The blake3 the object is labelled with (metadata or tag); "" if none."""
+        named = (head.get("Metadata") or {}).get("blake3")
+        if named:
+            return str(named)
+        try:
+            tags = self.call("reading the labels of", key, "get_object_tagging", Key=key).get("TagSet", [])
+        except StorageError:
+            return ""
+        return next((str(t["Value"]) for t in tags if t.get("Key") == "blake3"), "")
 
     def _copy(
         self,
@@ -519,10 +546,9 @@ class S3Store:
             return where if self._head(aside) is not None else None
         kept = self._head(aside)
         if kept is not None:
-            same = kept.get("ContentLength") == head.get("ContentLength") and (
-                kept.get("Metadata") or {}
-            ).get("blake3") == (head.get("Metadata") or {}).get("blake3")
-            if not same or not (head.get("Metadata") or {}).get("blake3"):
+            named = self._named_digest(key, head)
+            same = kept.get("ContentLength") == head.get("ContentLength") and named != ""
+            if not same or self._named_digest(aside, kept) != named:
                 raise StorageError(
                     f"s3://{self.bucket}/{aside} is taken already; the old copy stays at {key}"
                 )
