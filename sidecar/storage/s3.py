@@ -63,13 +63,17 @@ from sidecar.storage import (
     open_source,
     split_rel,
 )
-from sidecar.storage.copier import BUFFERS, Ahead, single_pass
+from sidecar.storage.copier import Ahead, single_pass
 
 logger = logging.getLogger(__name__)
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 MAX_COPY = 5 << 30  # the largest object one CopyObject may copy; larger ones are copied by parts
 READ_CHUNK = 8 << 20
+PARTS_IN_FLIGHT = 6
+"""Parts of one upload being sent at once (each from its own buffer of the pass: 6 x 8 MiB): a
+part's request waits on the network far longer than reading and hashing it takes."""
+
 QUERY_KEYS = ("endpoint_url", "region", "addressing_style", "proof")
 
 _S3_REASONS = {
@@ -201,7 +205,7 @@ class S3Store:
         self._client, self.bucket, self.prefix, self.url = client, bucket, prefix, url
         self.proof = proof
         self._pool = ThreadPoolExecutor(
-            max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-s3", initializer=lower_this_thread
+            max_workers=2 * PARTS_IN_FLIGHT, thread_name_prefix="boxwarden-s3", initializer=lower_this_thread
         )
         from botocore.exceptions import BotoCoreError, ClientError
 
@@ -250,7 +254,7 @@ class S3Store:
                 retries={"max_attempts": 5, "mode": "adaptive"},
                 connect_timeout=15,
                 read_timeout=60,
-                max_pool_connections=4 * BUFFERS,
+                max_pool_connections=4 * PARTS_IN_FLIGHT,
                 # Checksums where a request asks for them (each part's SHA256), not botocore's own
                 # everywhere: many S3-compatible stores refuse or mangle those, and the proof here
                 # is the blake3 of a full re-read, whatever the server says.
@@ -349,6 +353,7 @@ class S3Store:
                     _PartSink(self, up, ahead),
                     self._pool,
                     chunk_size=chunk,
+                    buffers=PARTS_IN_FLIGHT,
                     limit=before.size,
                     progress=progress,
                 )
