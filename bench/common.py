@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sidecar.priority import IOPRIO_CLASS_BE, IOPRIO_LEVEL, NICE, lower_this_thread
+from sidecar.storage import DurableStore
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,21 @@ def interleaved(
 def _timed(t: Timing) -> str:
     parts = ", ".join(f"{k} {v:.3f}" for k, v in t.parts.items())
     return f"{t.total:.3f} s" + (f" ({parts})" if parts else "")
+
+
+def timed_push(store: DurableStore, src: Path, rel: str, key: str) -> tuple[Timing, str]:
+    """One push as the sidecar makes it (stage, commit, prove), timed by part; its digest.
+    RuntimeError if the fresh copy does not prove."""
+    t0 = clock()
+    staged = store.stage(src, rel)
+    t1 = clock()
+    store.commit(staged)
+    t2 = clock()
+    proof = store.verify(rel, staged.digest)
+    t3 = clock()
+    if not proof:
+        raise RuntimeError(f"{key}: verify of a fresh copy failed")
+    return Timing(t3 - t0, {"stage": t1 - t0, "commit": t2 - t1, "verify": t3 - t2}), staged.digest
 
 
 def clock() -> float:

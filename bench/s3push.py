@@ -38,6 +38,7 @@ from bench.common import (
     quiesce,
     remove,
     run_quiet,
+    timed_push,
 )
 from sidecar.storage import open_store
 
@@ -77,17 +78,9 @@ def run(ctx: Context) -> FigureResult:
             return lowered(push)
 
         def push() -> Timing:
-            t0 = clock()
-            staged = store.stage(src, REL)
-            t1 = clock()
-            store.commit(staged)
-            t2 = clock()
-            proof = store.verify(REL, staged.digest)
-            t3 = clock()
-            if not proof:
-                raise RuntimeError(f"{KEY}: verify of a fresh copy failed")
-            expected.add(staged.digest)
-            return Timing(t3 - t0, {"stage": t1 - t0, "commit": t2 - t1, "verify": t3 - t2})
+            timing, digest = timed_push(store, src, REL, KEY)
+            expected.add(digest)
+            return timing
 
         def transfer() -> None:
             client.upload_file(str(src), bucket, base_key)

@@ -140,6 +140,9 @@ class Ledger:
         self._current: dict[str, ClaimRow] = {}
         self._sorted: list[ClaimRow] | None = None
         self.version = 0
+        # Moves only when a claim starts or ends (not when one's state changes): what retention's
+        # choice of checkpoints depends on.
+        self.members = 0
         self._summary, self._summary_at = Summary(), -1
         self._reload_all()
 
@@ -232,6 +235,7 @@ class Ledger:
                 (path, size, blake3, ident.dev, ident.ino, ident.mtime_ns, ident.ctime_ns, now, seq),
             )
         self.counts.add(size, False, 1)
+        self.members += 1
         self._reload(path)
         claim = self.current(path)
         assert claim is not None
@@ -351,6 +355,7 @@ class Ledger:
             if cur.rowcount == 0:
                 return False
             self._event(db, event, path=path, detail=reason)
+        self.members += 1
         self._reload(path)
         return True
 

@@ -44,18 +44,24 @@ class Retainer:
 
     async def once(self) -> int:
         """One pass; returns how many box-side copies it deleted."""
-        claims = self._s.ledger.current_claims()
-        chosen = choose(claims, self.rules, self._skip, self._metric)
+        ledger = self._s.ledger
+        members = ledger.members
+        chosen = choose(ledger.current_claims(), self.rules, self._skip, self._metric)
+        still = {c.id for c in chosen}
         retired = 0
         for c in chosen:
             async with self._s.lock(c.path):
-                now = self._s.ledger.current(c.path)
+                now = ledger.current(c.path)
                 if now is None or now.id != c.id or not now.durable or now.durable_only:
                     continue
-                # The rules again, on the claims as they are now: a pass takes a while, and the
-                # newest checkpoint may have gone meanwhile (deleted after a NaN, resumed from older).
-                still = choose(self._s.ledger.current_claims(), self.rules, self._skip, self._metric)
-                if all(x.id != c.id for x in still):
+                # The rules again once claims came or went: a pass takes a while, and the newest
+                # checkpoint may have gone meanwhile (deleted after a NaN, resumed from older).
+                if ledger.members != members:
+                    members = ledger.members
+                    still = {
+                        x.id for x in choose(ledger.current_claims(), self.rules, self._skip, self._metric)
+                    }
+                if c.id not in still:
                     continue
                 why = await self._retire(now)
             if why:

@@ -260,7 +260,18 @@ class SidecarService:
         if not 0 <= request.offset <= claim.size:
             raise PreconditionError(f"offset {request.offset} is outside 0..{claim.size}")
         if claim.durable_only:
-            async for chunk in self._read_durable(claim, request.offset):
+            # Retired: its bytes come from its durable copy (the box copy is gone).
+            def rotten() -> str:
+                # The only copy no longer holds the claimed bytes: say so everywhere, not only here.
+                self._p.ledger.mark_not_durable(
+                    claim.id, "MISMATCH: a read of the durable-only copy found other bytes"
+                )
+                self._p.journal.ring()
+                return f"{claim.path!r}: its durable copy no longer holds the claimed bytes"
+
+            from_store = functools.partial(self._p.store.read, claim.path)
+            short = f"{claim.path!r}: its durable copy is shorter than the claim"
+            async for chunk in _stream(claim, request.offset, from_store, short, rotten):
                 yield chunk
             return
         try:
@@ -272,54 +283,21 @@ class SidecarService:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or FileIdentity.of(st) != claim.identity:
                 raise ChangedError(f"{request.path!r} changed on disk since it was claimed")
-            offset = request.offset
-            # From offset 0 the bytes sent are hashed too: a mismatch is found here, on the box,
-            # and the file is sealed again instead of the pull failing forever.
-            hasher = new_hasher() if offset == 0 else None
-            loop = asyncio.get_running_loop()
-            while offset < claim.size:
-                data = await loop.run_in_executor(None, os.pread, fd, min(CHUNK, claim.size - offset), offset)
-                if not data:
-                    raise ChangedError(f"{request.path!r} shrank while being read")
-                if hasher is not None:
-                    hasher.update(data)
-                yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
-                offset += len(data)
-            if hasher is not None and hasher.hexdigest() != claim.blake3:
+
+            def changed() -> str:
+                # A mismatch is found here, on the box, and the file is sealed again instead of
+                # the pull failing forever.
                 self._p.sealer.force_reseal(request.path, "a read found other bytes than the claim's")
-                raise ChangedError(
-                    f"{request.path!r} changed on the box since its claim; it is being sealed again"
-                )
-            if offset == 0:
-                yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
+                return f"{request.path!r} changed on the box since its claim; it is being sealed again"
+
+            def read(offset: int, n: int) -> bytes:
+                return os.pread(fd, n, offset)
+
+            short = f"{request.path!r} shrank while being read"
+            async for chunk in _stream(claim, request.offset, read, short, changed):
+                yield chunk
         finally:
             os.close(fd)
-
-    async def _read_durable(self, claim: ClaimRow, offset: int) -> AsyncIterator[pb.ReadArtifactChunk]:
-        """A retired claim's bytes, from its durable copy (the box copy is gone). The reader hashes
-        what it receives; a copy that no longer matches fails its pull, as any changed file does."""
-        loop = asyncio.get_running_loop()
-        store = self._p.store
-        hasher = new_hasher() if offset == 0 else None
-        while offset < claim.size:
-            data = await loop.run_in_executor(
-                None, store.read, claim.path, offset, min(CHUNK, claim.size - offset)
-            )
-            if not data:
-                raise ChangedError(f"{claim.path!r}: its durable copy is shorter than the claim")
-            if hasher is not None:
-                hasher.update(data)
-            yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
-            offset += len(data)
-        if hasher is not None and hasher.hexdigest() != claim.blake3:
-            # The only copy no longer holds the claimed bytes: say so everywhere, not only here.
-            self._p.ledger.mark_not_durable(
-                claim.id, "MISMATCH: a read of the durable-only copy found other bytes"
-            )
-            self._p.journal.ring()
-            raise ChangedError(f"{claim.path!r}: its durable copy no longer holds the claimed bytes")
-        if claim.size == 0:
-            yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
 
     @translated
     async def Drain(self, request: pb.DrainRequest, context: Ctx) -> AsyncIterator[pb.DrainProgress]:
@@ -445,6 +423,32 @@ class SidecarService:
     async def Shutdown(self, request: pb.ShutdownRequest, context: Ctx) -> pb.ShutdownResponse:
         self._p.request_shutdown()
         return pb.ShutdownResponse(pid=os.getpid())
+
+
+async def _stream(
+    claim: ClaimRow,
+    offset: int,
+    read: Callable[[int, int], bytes],
+    short: str,
+    mismatch: Callable[[], str],
+) -> AsyncIterator[pb.ReadArtifactChunk]:
+    """A claim's bytes from `offset`, `read(offset, n)` at a time off the loop. From offset 0 the
+    bytes sent are hashed too: when they are not the claim's, `mismatch()` acts on it and says why
+    the read fails. `short`: why it fails when the bytes end before the claim's size."""
+    loop = asyncio.get_running_loop()
+    hasher = new_hasher() if offset == 0 else None
+    while offset < claim.size:
+        data = await loop.run_in_executor(None, read, offset, min(CHUNK, claim.size - offset))
+        if not data:
+            raise ChangedError(short)
+        if hasher is not None:
+            hasher.update(data)
+        yield pb.ReadArtifactChunk(data=data, offset=offset, size=claim.size)
+        offset += len(data)
+    if hasher is not None and hasher.hexdigest() != claim.blake3:
+        raise ChangedError(mismatch())
+    if claim.size == 0:
+        yield pb.ReadArtifactChunk(data=b"", offset=0, size=0)
 
 
 def _progress(risk: AtRisk, pending: int, *, done: bool) -> pb.DrainProgress:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -74,6 +75,22 @@ class Ahead:
 
     def record(self, data: memoryview, offset: int) -> None:
         self.chunks[offset] = (_chunk_digest(data), len(data))
+
+
+def push_ahead(
+    ahead: Ahead, src: Path, src_fd: int, upto: int, sink_to: Callable[[int], Sink], pool: Executor
+) -> None:
+    """Push the whole chunks of the file between what `ahead` has and `upto` (its size now), into
+    the sink `sink_to(end)` gives for a push up to `end`; the shared part of every store's push."""
+    end = upto - upto % ahead.chunk
+    if end <= ahead.done:
+        return
+    os.lseek(src_fd, ahead.done, os.SEEK_SET)
+    sink = sink_to(end)
+    _, n = single_pass(
+        src, src_fd, sink, pool, chunk_size=ahead.chunk, limit=end - ahead.done, start=ahead.done
+    )
+    ahead.done += n - n % ahead.chunk
 
 
 def _chunk_digest(data: memoryview) -> bytes:

@@ -43,6 +43,7 @@ from sidecar.storage import (
     StagedCopy,
     check_scope,
     check_source_unchanged,
+    copier,
     open_source,
     split_rel,
 )
@@ -270,22 +271,12 @@ class LocalStore:
     def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
         """Copy the whole chunks of the file between what was pushed and `upto` (its size now)."""
         held = self._ahead_file(ahead)
-        end = upto - upto % ahead.chunk
-        if end <= ahead.done:
-            return
-        os.lseek(src_fd, ahead.done, os.SEEK_SET)
-        self._reserve(held.fd, held.path, end)  # O_DIRECT writes into allocated blocks run side by side
-        sink = _FileSink(held.fd, held.path, held.direct, ahead, recording=True)
-        _, n = single_pass(
-            held.path,
-            src_fd,
-            sink,
-            self._write_pool,
-            chunk_size=ahead.chunk,
-            limit=end - ahead.done,
-            start=ahead.done,
-        )
-        ahead.done += n - n % ahead.chunk
+
+        def sink_to(end: int) -> _FileSink:
+            self._reserve(held.fd, held.path, end)  # O_DIRECT writes into allocated blocks run side by side
+            return _FileSink(held.fd, held.path, held.direct, ahead, recording=True)
+
+        copier.push_ahead(ahead, held.path, src_fd, upto, sink_to, self._write_pool)
 
     def discard_ahead(self, ahead: Ahead) -> None:
         held = self._ahead_file(ahead)

@@ -59,6 +59,7 @@ from sidecar.storage import (
     StagedCopy,
     check_scope,
     check_source_unchanged,
+    copier,
     crc,
     open_source,
     split_rel,
@@ -388,22 +389,8 @@ class S3Store:
         return Ahead(rel=rel, source=source, handle=self._start_upload(self._key(rel), chunk), chunk=chunk)
 
     def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
-        up = self._upload_ahead(ahead)
-        end = upto - upto % ahead.chunk
-        if end <= ahead.done:
-            return
-        os.lseek(src_fd, ahead.done, os.SEEK_SET)
-        sink = _PartSink(self, up, ahead, recording=True)
-        _, n = single_pass(
-            Path(ahead.rel),
-            src_fd,
-            sink,
-            self._pool,
-            chunk_size=ahead.chunk,
-            limit=end - ahead.done,
-            start=ahead.done,
-        )
-        ahead.done += n - n % ahead.chunk
+        sink = _PartSink(self, self._upload_ahead(ahead), ahead, recording=True)
+        copier.push_ahead(ahead, Path(ahead.rel), src_fd, upto, lambda end: sink, self._pool)
 
     def discard_ahead(self, ahead: Ahead) -> None:
         self._abort(self._upload_ahead(ahead))
