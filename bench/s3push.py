@@ -115,7 +115,8 @@ def run(ctx: Context) -> FigureResult:
     if len(expected) != 1:
         raise RuntimeError(f"{KEY}: the two sides saw different digests: {sorted(expected)}")
     notes = [
-        "ours' commit is complete_multipart_upload + a CopyObject of the object onto itself (the blake3 "
-        "goes into its metadata): both copy every byte in moto; the baseline's upload pays the first"
+        "ours' commit is complete_multipart_upload + a PutObjectTagging that labels the object with its "
+        "blake3 (a copy onto itself only for ?proof=server-checksum, or a store without tagging)",
+        "the store at full speed, as a drain pushes; between drains the sidecar keeps to its push rate",
     ]
     return FigureResult(KEY, TITLE, o, b, "time", TARGET, ctx.size, notes=notes)

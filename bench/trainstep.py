@@ -8,6 +8,9 @@ health and rescan intervals) watching a directory and pushing to `file://` on th
 
 Each run is two windows of the same trainer process, in alternating order:
 
+The sidecar runs with its defaults, its push rate (`sidecar.storage.pace`) included: the rate is
+what keeps a push from taking the trainer's memory bandwidth (full speed cost 10-25 % here).
+
 - ours: the checkpoint (the shared `size`-byte source, hot in the page cache as a file the trainer
   has just written) is hard-linked into the watched directory; the window runs from the end of the
   sidecar's settle time to the moment its claim is durable (staged, committed, re-read and proven).
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import Context, FigureResult, Side, Timing, make_hot, quiesce
+from sidecar.storage.pace import DEFAULT_RATE
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ def run(ctx: Context) -> FigureResult:
         side.runs.append(Timing(statistics.mean(inside), {"window": (w1 - w0) / 1e9}))
     notes = [
         f"trainer: torch MLP on the CPU, {threads} thread(s); {os.cpu_count()} CPUs",
+        f"the sidecar at its default push rate, {DEFAULT_RATE / 1e6:g} MB/s (up --push-rate)",
         f"push (settle end → durable) median {statistics.median(t.parts['window'] for t in o.runs):.3f} s",
     ]
     return FigureResult(KEY, TITLE, o, b, "time", TARGET, ctx.size, notes=notes)

@@ -58,6 +58,7 @@ def config_for(box: Box) -> pb.SidecarConfig:
         durable_credentials_file=f"{box.state_dir}/{CREDENTIALS_NAME}" if box.durable_credentials else "",
         keep=box.keep,
         drain_grace_s=box.drain_grace_s,
+        push_rate_bytes_s=box.push_rate,
     )
 
 

@@ -100,11 +100,13 @@ async def up(
     state_on_durable: bool = False,
     durable_credentials: Path | None = None,
     keep: str | None = None,
+    push_rate: str | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
     if keep is not None:
         check_keep(keep)
+    rate = parse_push_rate(push_rate) if push_rate is not None else None
     if run_id is not None:
         check_run_id(run_id)
     given = [(profile_file, "--profile-file"), (workdir, "--workdir"), *((w, "--watch") for w in watch)]
@@ -170,6 +172,10 @@ async def up(
     live = old if old is not None and old.status != "down" else None  # a box not torn down
     if live is not None and keep is not None and keep != live.keep:
         raise UsageError(f"{name} keeps {live.keep or 'every box copy'}; `down` it before changing --keep")
+    if live is not None and rate is not None and rate != live.push_rate:
+        raise UsageError(
+            f"{name} pushes at {show_push_rate(live.push_rate)}; `down` it before changing --push-rate"
+        )
     if live is not None and exclude and tuple(exclude) != live.exclude:
         raise UsageError(
             f"{name} excludes {', '.join(live.exclude) or 'nothing'}; `down` it before changing --exclude"
@@ -199,6 +205,7 @@ async def up(
         roster=tuple(roster),
         exclude=tuple(exclude) or (live.exclude if live is not None else ()),
         keep=keep if keep is not None else (live.keep if live is not None else ""),
+        push_rate=rate if rate is not None else (live.push_rate if live is not None else 0),
         host=host or "",
         options=options,
         ssh_config=ssh_config if host else "",
@@ -247,6 +254,7 @@ class UpSpec:
     ssh_config: str
     credentials: str | None = None  # the text of --durable-credentials (never shown, never kept here)
     keep: str = ""  # retention rules (`--keep`), checked as text; the sidecar reads them
+    push_rate: int = 0  # bytes/s of the box's pushes (`--push-rate`); 0: the sidecar's default, -1: none
 
 
 @dataclass(frozen=True)
@@ -359,6 +367,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         roster=spec.roster or (old.roster if old else ()),
         exclude=spec.exclude,
         keep=spec.keep,
+        push_rate=spec.push_rate,
         drain_grace_s=prof.spot.grace_s,
         pulled_dir=old.pulled_dir if old and not fresh else "",
         notices_shown=bool(old and not fresh and old.notices_shown),
@@ -407,6 +416,37 @@ def check_keep(rules: str) -> None:
                 f"--keep rule {rule!r} is not one of last=N, every=K, best=FILE:KEY[:min|max] "
                 "(e.g. --keep last=3,best=metrics.json:loss,every=10)"
             )
+
+
+PUSH_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([kmg]?)(?:i?b)?(?:/s)?", re.IGNORECASE)
+NO_PUSH_LIMIT = ("max", "none", "unlimited")
+MIN_PUSH_RATE = 10**6
+
+
+def parse_push_rate(text: str) -> int:
+    """`--push-rate`: bytes per second (`400M`, `1.5G`, `250MB/s`; K, M, G are powers of 1000), or
+    `max` for no limit (-1). Below 1 MB/s is refused: `--push-rate 100` surely meant 100M."""
+    t = text.strip()
+    if t.lower() in NO_PUSH_LIMIT:
+        return -1
+    m = PUSH_RATE.fullmatch(t)
+    if m is None:
+        raise UsageError(
+            f"--push-rate {text!r}: give bytes per second, e.g. 200M or 1G, or 'max' for no limit"
+        )
+    rate = int(float(m.group(1)) * 1000 ** " kmg".index(m.group(2).lower() or " "))
+    if rate < MIN_PUSH_RATE:
+        raise UsageError(
+            f"--push-rate {text!r} is {rate} bytes/s, under 1 MB/s: a checkpoint would take hours to be "
+            f"durable; did you mean {text.strip()}M?"
+        )
+    return rate
+
+
+def show_push_rate(rate: int) -> str:
+    if rate < 0:
+        return "no limit"
+    return "the default rate" if rate == 0 else f"{rate / 1e6:g} MB/s"
 
 
 def check_exclude(pattern: str) -> None:

@@ -88,6 +88,9 @@ class Box:
     state_on_durable: bool = False  # the sidecar's state and venv live on the durable tier
     durable_credentials: bool = False  # the sidecar reads its store's credentials from its state dir
     keep: str = ""  # retention rules of box-side copies (`up --keep`); empty: every copy stays
+    push_rate: int = (
+        0  # bytes/s the box's pushes keep to (`up --push-rate`); 0: the sidecar's default, -1: none
+    )
     drain_grace_s: int = 0  # the profile's SIGTERM-to-SIGKILL grace the sidecar drains in (0: its default)
 
     def to_json(self) -> dict[str, object]:

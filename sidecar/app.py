@@ -41,6 +41,7 @@ from sidecar.retention import Retainer
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService
 from sidecar.storage import open_store
+from sidecar.storage.pace import Pace
 from sidecar.strays import Caller, stray_line
 from sidecar.watcher import Watcher
 
@@ -185,7 +186,8 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     # Each run of each box has its own corner of the durable store, owned by this ledger: boxes
     # sharing one URL, and runs reusing a box name, never overwrite each other's copies, and
     # clean_tmp only ever touches this run's temp files.
-    store = open_store(s.durable_url, (s.box_name, s.run_id), credentials=s.durable_credentials)
+    pace = Pace(s.push_rate)
+    store = open_store(s.durable_url, (s.box_name, s.run_id), credentials=s.durable_credentials, pace=pace)
     store.bind_owner(ledger.ledger_id)
     leftovers = store.clean_tmp()
     if leftovers:
@@ -227,6 +229,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         push_pending=sealer.push_pending,
         busy=lambda: len(sealer.busy_set()),
         bandwidth=sealer.bandwidth,
+        pace=pace,
     )
     retainer = Retainer(sealer, s.keep)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from sidecar.compat import SLOTS
 from sidecar.ledger import ClaimRow, Ledger
+from sidecar.storage.pace import UNLIMITED, Pace
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,11 @@ class Backlog:
         busy: Callable[[], int],
         bandwidth: Bandwidth,
         jitter: Callable[[], float] = random.random,
+        pace: Pace = UNLIMITED,
     ) -> None:
-        """`push_pending`: one round of pushes (an awaitable factory); `busy`: seals under way."""
+        """`push_pending`: one round of pushes (an awaitable factory); `busy`: seals under way;
+        `pace`: the stores' byte rate, lifted while a drain runs."""
+        self._pace = pace
         self._ledger = ledger
         self._push_pending = push_pending
         self._busy = busy
@@ -143,23 +147,25 @@ class Backlog:
         the last word. `pending()` walks the watched dirs: it is asked at most every `PENDING_S`."""
         self._draining += 1
         try:
-            self.attempt = 0
-            self.wake("a drain was asked for")
-            deadline = time.monotonic() + timeout_s
-            waiting = await pending() if pending is not None else []
-            asked = shown = time.monotonic()
-            yield self.at_risk(waiting)
-            while time.monotonic() < deadline:
-                if self.settled() and (not waiting or time.monotonic() - asked >= PENDING_S):
-                    if pending is None:
-                        break
-                    waiting, asked = await pending(), time.monotonic()
-                    if not waiting:
-                        break
-                await asyncio.sleep(POLL_S)
-                if time.monotonic() - shown >= every_s:
-                    shown = time.monotonic()
-                    yield self.at_risk(waiting)
-            yield self.at_risk(await pending() if pending is not None else [])
+            # Everything now: the pace that spares the trainer waits until the drain ends.
+            with self._pace.lifted():
+                self.attempt = 0
+                self.wake("a drain was asked for")
+                deadline = time.monotonic() + timeout_s
+                waiting = await pending() if pending is not None else []
+                asked = shown = time.monotonic()
+                yield self.at_risk(waiting)
+                while time.monotonic() < deadline:
+                    if self.settled() and (not waiting or time.monotonic() - asked >= PENDING_S):
+                        if pending is None:
+                            break
+                        waiting, asked = await pending(), time.monotonic()
+                        if not waiting:
+                            break
+                    await asyncio.sleep(POLL_S)
+                    if time.monotonic() - shown >= every_s:
+                        shown = time.monotonic()
+                        yield self.at_risk(waiting)
+                yield self.at_risk(await pending() if pending is not None else [])
         finally:
             self._draining -= 1

@@ -1,8 +1,8 @@
 """The sidecar's own direct children, the child-subreaper setting, and reaping orphans.
 
-Owns the registry of "children someone in this process waits for" (job leaders, the hashing
-child of `storage.fsio`): every child the sidecar forks is started through `popen()`, registered
-under the same lock the reaper holds, and released once its waiter has collected its status.
+Owns the registry of "children someone in this process waits for" (the jobs' keepers): every
+child the sidecar forks is started through `popen()`, registered under the same lock the reaper
+holds, and released once its waiter has collected its status.
 
 As a child subreaper (`become_subreaper()`), the sidecar inherits every orphaned descendant of
 its jobs instead of init, so a double-forked writer stays in our view; but an inherited process

@@ -20,6 +20,7 @@ from sidecar.errors import ConfigError
 from sidecar.keep import NO_RULES, KeepRules, parse_keep
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
 from sidecar.storage import local_dir
+from sidecar.storage.pace import DEFAULT_RATE
 
 BOX_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -48,6 +49,7 @@ class Settings:
     keep: KeepRules = NO_RULES
     drain_grace_s: float = 5.0
     ahead_min_bytes: int = 256 << 20
+    push_rate: float = DEFAULT_RATE  # bytes/s; 0: no limit
 
     @property
     def ledger_path(self) -> Path:
@@ -160,6 +162,7 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         keep=keep,
         drain_grace_s=float(msg.drain_grace_s or 5),
         ahead_min_bytes=msg.ahead_min_bytes or (256 << 20),
+        push_rate=DEFAULT_RATE if msg.push_rate_bytes_s == 0 else max(0, msg.push_rate_bytes_s),
     )
 
 

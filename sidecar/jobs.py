@@ -600,7 +600,7 @@ class JobSupervisor:
             return [stuck]
         running = self.running()  # scans now, and brings every job's membership up to date
         table = proctree.scan()
-        # The sidecar and its own children (keepers, the hashing child), not every process that
+        # The sidecar and its own children (the keepers), not every process that
         # was reparented to it: an orphan no running job took is looked at like any other.
         exempt = {self._me} | table.closure(children.registered(), set())
         for j in running:

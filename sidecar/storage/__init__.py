@@ -37,6 +37,7 @@ from sidecar.compat import SLOTS
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.identity import FileIdentity
 from sidecar.probes import DiskSample
+from sidecar.storage.pace import UNLIMITED, Pace
 
 logger = logging.getLogger(__name__)
 
@@ -264,7 +265,9 @@ def local_dir(url: str) -> Path | None:
     return Path(path) if path.startswith("/") else None
 
 
-def open_store(url: str, scope: tuple[str, ...] = (), credentials: Path | None = None) -> DurableStore:
+def open_store(
+    url: str, scope: tuple[str, ...] = (), credentials: Path | None = None, pace: Pace | None = None
+) -> DurableStore:
     """Open the durable store named by `url`, narrowed to the sub-directories `scope` (a box's
     name, then its run id: every run gets its own corner).
 
@@ -273,19 +276,21 @@ def open_store(url: str, scope: tuple[str, ...] = (), credentials: Path | None =
     not mounted, and creating the tree there would silently write to the box's ephemeral disk.
     The scope directories are created under it. `s3://bucket/prefix[?endpoint_url=…&region=…]`:
     an S3-compatible bucket (boto3 needed), with `credentials` (a file, see `s3.read_credentials`)
-    or boto3's standard sources. Anything else raises ConfigError.
+    or boto3's standard sources. Anything else raises ConfigError. `pace`: the byte rate its pushes
+    keep to (`storage.pace`; none by default).
     """
+    pace = pace if pace is not None else UNLIMITED
     scheme = urlsplit(url).scheme if isinstance(url, str) else ""
     if scheme == "file":
         if credentials is not None:
             raise ConfigError(f"durable URL {url!r}: a credentials file is for s3:// stores, not file://")
         from sidecar.storage.local import LocalStore
 
-        return LocalStore.from_url(url, scope)
+        return LocalStore.from_url(url, scope, pace)
     if scheme == "s3":
         from sidecar.storage.s3 import S3Store
 
-        return S3Store.from_url(url, scope, credentials)
+        return S3Store.from_url(url, scope, credentials, pace)
     supported = ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
     raise ConfigError(
         f"durable URL {url!r}: scheme {scheme + '://' if scheme else '(none)'} is not supported; "

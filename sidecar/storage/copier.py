@@ -23,6 +23,7 @@ from typing import Protocol
 from sidecar import hashing
 from sidecar.errors import StorageError
 from sidecar.storage import Progress
+from sidecar.storage.pace import UNLIMITED, Pace
 
 BUFFERS = 3
 """Chunk buffers per pass: one being read and hashed while the others are being written."""
@@ -78,7 +79,13 @@ class Ahead:
 
 
 def push_ahead(
-    ahead: Ahead, src: Path, src_fd: int, upto: int, sink_to: Callable[[int], Sink], pool: Executor
+    ahead: Ahead,
+    src: Path,
+    src_fd: int,
+    upto: int,
+    sink_to: Callable[[int], Sink],
+    pool: Executor,
+    pace: Pace = UNLIMITED,
 ) -> None:
     """Push the whole chunks of the file between what `ahead` has and `upto` (its size now), into
     the sink `sink_to(end)` gives for a push up to `end`; the shared part of every store's push."""
@@ -88,7 +95,7 @@ def push_ahead(
     os.lseek(src_fd, ahead.done, os.SEEK_SET)
     sink = sink_to(end)
     _, n = single_pass(
-        src, src_fd, sink, pool, chunk_size=ahead.chunk, limit=end - ahead.done, start=ahead.done
+        src, src_fd, sink, pool, chunk_size=ahead.chunk, limit=end - ahead.done, start=ahead.done, pace=pace
     )
     ahead.done += n - n % ahead.chunk
 
@@ -108,6 +115,7 @@ def single_pass(
     buffers: int = BUFFERS,
     progress: Progress | None = None,
     start: int = 0,
+    pace: Pace = UNLIMITED,
 ) -> tuple[str, int]:
     """Copy what `src_fd` yields to `sink`, `limit` bytes at most (the size of the sealed file: a
     file that grows while it is read would otherwise never end the pass; the caller sees the change
@@ -115,7 +123,8 @@ def single_pass(
 
     Raises StorageError for a failed read of the source, and whatever a write raised. Returns or
     raises only once no write is in flight (the caller may then close what the sink writes to).
-    `start`: the offset of the fd's position (a push ahead of the seal goes on where it stopped)."""
+    `start`: the offset of the fd's position (a push ahead of the seal goes on where it stopped).
+    `pace`: the rate the pass keeps to (every byte read counts, written or not)."""
     # One hashing thread: it keeps pace with the device (3.5 GB/s), and a multithreaded hash
     # measured no faster here while it would take cores from the trainer.
     hasher = hashing.new_hasher()
@@ -150,6 +159,7 @@ def single_pass(
                 copied += n
                 if progress is not None:
                     progress(copied)
+                pace.take(n)
                 continue
             alone = sink.alone(n)
             while alone and writes:
@@ -162,6 +172,7 @@ def single_pass(
                 finish_one()
             if progress is not None:
                 progress(copied)
+            pace.take(n)
         while writes:
             finish_one()
     finally:

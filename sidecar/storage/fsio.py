@@ -1,5 +1,5 @@
 """Low-level file I/O shared by the durable stores: error wording, fd helpers, preallocating a
-copy, and hashing a file from the device (by reading, or in a child process that maps it).
+copy, and hashing a file from the device (O_DIRECT reads, or reads through the page cache).
 
 Nothing here keeps state; `local.py` owns the store's layout and the order of operations.
 """
@@ -8,23 +8,23 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import functools
 import logging
+import mmap
 import os
-import signal
-import subprocess
-import sys
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import cast
 
-from sidecar import children, hashing
+from sidecar import hashing
 from sidecar.errors import StorageError
+from sidecar.storage.pace import UNLIMITED, Pace
 
 logger = logging.getLogger(__name__)
-
-CHILD_VERIFY_MIN = 64 << 20
-"""verify: copies at least this big are hashed by a child process that maps them."""
 
 READ_AHEAD = 64 << 20
 """verify: bytes requested from the device ahead of the hash (POSIX_FADV_WILLNEED)."""
@@ -91,8 +91,9 @@ def read_ahead(fd: int, done: int, advised: int) -> int:
     return advised
 
 
-def hash_by_read(fd: int) -> str:
-    """Hash an (uncached) open file by reading it, keeping requests in flight ahead of the hash."""
+def hash_by_read(fd: int, pace: Pace = UNLIMITED) -> str:
+    """Hash an (uncached) open file by reading it, keeping requests in flight ahead of the hash;
+    at `pace`."""
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     # Sized to the file (a 16 MiB buffer zeroed per file is 1 ms: most of a small file's verify).
     size = os.fstat(fd).st_size
@@ -111,6 +112,7 @@ def hash_by_read(fd: int) -> str:
             break
         hasher.update(view[:n])
         done += n
+        pace.take(n)
         if done - dropped >= READ_AHEAD:
             # Leave nothing behind as we go: the copy is for the future, not for this box's page
             # cache (a 20 GiB checkpoint would evict the trainer's).
@@ -119,60 +121,67 @@ def hash_by_read(fd: int) -> str:
     return hasher.hexdigest()
 
 
-_CHILD_HASH = (
-    "import sys, blake3; "
-    "print(blake3.blake3(max_threads=blake3.blake3.AUTO).update_mmap(sys.argv[1]).hexdigest())"
-)
+class DirectUnsupported(Exception):
+    """The filesystem refuses O_DIRECT (FUSE, some network mounts): read through the page cache."""
 
 
-def hash_in_child(fd: int, path: Path, size: int) -> str | None:
-    """Hash the open file in a child process that maps it, as b3sum does.
+DIRECT_CHUNK = 8 << 20
+"""hash_direct: bytes per read (the block layer splits it into requests the device takes at once)."""
 
-    A mapped cold read keeps many page-ins in flight on all cores and ran about 1.5x faster here
-    than reading; but an I/O error (or a truncation) under a mapping is a SIGBUS, and that must
-    not kill the daemon: in a child it kills only the child, and is reported as the failed read
-    it is. The child gets the very same open file (its fd), never a path that could be swapped.
-    None: no child could run here (the caller reads the file itself).
+DIRECT_DEPTH = 4
+"""hash_direct: reads in flight (one being hashed, the others keeping the device busy)."""
+
+_DIRECT_ALIGN = 4096
+
+
+def hash_direct(fd: int, pool: Executor, pace: Pace = UNLIMITED) -> str:
+    """Hash the open file from the device itself: O_DIRECT reads of DIRECT_CHUNK bytes, DIRECT_DEPTH
+    of them in flight in `pool`, into page-aligned buffers that the calling thread hashes in order.
+
+    Why not the page cache (hash_by_read) or a child that maps the file (as b3sum does): an O_DIRECT
+    read cannot be served by a page the kernel kept, so the proof is of the device's bytes; it fills
+    no page cache (nothing to drop, the trainer keeps its cache), copies nothing through the kernel,
+    and hashes on one thread. Measured here on a 1 GiB copy: as fast as either other way on a quiet
+    machine (1.0 s), and 1.0 s against 1.7 s (read) and 2.6 s (mapped, all cores) with both cores
+    busy; a trainer's steps slowed half as much while it ran. `pace`: the rate it keeps to.
+
+    Reads until the file ends (a file that grew since `fstat` is hashed whole, as a reader would).
+    DirectUnsupported where the filesystem refuses O_DIRECT (nothing was hashed: the caller reads
+    the file another way); OSError for a failed read. Returns only once no read is in flight.
     """
-    timeout = 60 + size / (20 << 20)  # 20 MB/s: slower than that, the device is failing
     try:
-        # Registered while it runs: the sidecar reaps its orphaned children, never this one.
-        proc = children.popen(
-            [sys.executable, "-I", "-c", _CHILD_HASH, f"/dev/fd/{fd}"],
-            pass_fds=(fd,),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("hashing %s in a child failed to run (%s); reading it here instead", path, exc)
-        return None
-    stdout: str
-    stderr: str
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
+    except OSError as exc:
+        if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise DirectUnsupported(str(exc)) from exc
+        raise
+    # Sized to the file: a small copy needs one small buffer, not DIRECT_DEPTH big ones.
+    size = os.fstat(fd).st_size
+    chunk = min(DIRECT_CHUNK, -(-(size + 1) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
+    ring = [mmap.mmap(-1, chunk) for _ in range(DIRECT_DEPTH)]
+    hasher = hashing.new_hasher()
+    reads: deque[Future[int]] = deque()
+    submitted = 0  # reads submitted: read i is of offset i * chunk, into ring[i % DIRECT_DEPTH]
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        proc.kill()
-        proc.communicate()
-        logger.warning("hashing %s in a child failed to run (%s); reading it here instead", path, exc)
-        return None
+        while True:
+            while len(reads) < DIRECT_DEPTH:
+                reads.append(pool.submit(os.preadv, fd, [ring[submitted % DIRECT_DEPTH]], submitted * chunk))
+                submitted += 1
+            done = submitted - len(reads)
+            try:
+                n = reads.popleft().result()
+            except OSError as exc:
+                if done == 0 and exc.errno == errno.EINVAL:  # the filesystem took the flag, not the read
+                    futures_wait(reads)
+                    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    raise DirectUnsupported(str(exc)) from exc
+                raise
+            hasher.update(memoryview(ring[done % DIRECT_DEPTH])[:n])
+            pace.take(n)
+            if n < chunk:  # the end of the file: the reads submitted past it return nothing
+                return hasher.hexdigest()
     finally:
-        if proc.returncode is None:  # interrupted: collect it before it may be reaped by anyone
-            proc.kill()
-            proc.wait()
-        children.release(proc.pid)
-    if proc.returncode < 0:
-        raise StorageError(
-            f"re-reading durable copy {path} failed: the reader was killed by "
-            f"{signal.Signals(-proc.returncode).name} (an I/O error on the device, or the copy was truncated)"
-        )
-    out = stdout.strip()
-    if proc.returncode != 0 or not hashing.is_digest(out):
-        logger.warning(
-            "hashing %s in a child gave no digest (%s); reading it here instead", path, stderr[-300:]
-        )
-        return None
-    return out
+        futures_wait(reads)  # never let a buffer go under a read in flight
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:

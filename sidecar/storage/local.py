@@ -49,14 +49,16 @@ from sidecar.storage import (
 )
 from sidecar.storage.copier import BUFFERS, Ahead, single_pass
 from sidecar.storage.fsio import (
-    CHILD_VERIFY_MIN,
+    DIRECT_DEPTH,
+    DirectUnsupported,
     close_fd,
     hash_by_read,
-    hash_in_child,
+    hash_direct,
     preallocate,
     pwrite_all,
     storage_error,
 )
+from sidecar.storage.pace import UNLIMITED, Pace
 from sidecar.storage.tree import (
     DIR_FLAGS,
     open_final,
@@ -143,15 +145,16 @@ class LocalStore:
         url: str | None = None,
         chunk_size: int = hashing.STAGE_CHUNK,
         direct_io: bool = True,
-        child_verify_min: int = CHILD_VERIFY_MIN,
+        pace: Pace = UNLIMITED,
     ) -> None:
         """`root` must be an absolute path to an existing directory (see `from_url`).
 
         `chunk_size` is the read/write size of stage's single pass (a multiple of 4096); tests pass
         a small one to get several `progress` calls out of a small file. `direct_io` writes copies
         of 1 MiB and more with O_DIRECT: they bypass the page cache, so the trainer keeps its cache,
-        commit's fsync has no data left to flush, and nothing stale can be re-read by verify.
-        It turns itself off on filesystems that refuse O_DIRECT.
+        commit's fsync has no data left to flush, and nothing stale can be re-read by verify; and
+        verify re-reads with O_DIRECT (`fsio.hash_direct`). Each turns itself off on filesystems
+        that refuse O_DIRECT. `pace`: the byte rate stage and verify keep to (`storage.pace`).
         """
         if not root.is_absolute():
             raise ValueError(f"root must be absolute, got {root}")
@@ -161,16 +164,21 @@ class LocalStore:
         self.url = url if url is not None else root.as_uri()
         self._chunk_size = chunk_size
         self._direct_io = direct_io
-        self._child_verify_min = child_verify_min
+        self._direct_read = direct_io
+        self._pace = pace
         self._tmp_dir = root / TMP_DIRNAME
         # Writes of every concurrent stage share these threads; each stage has at most BUFFERS
         # writes in flight, and a few concurrent stages already saturate any disk.
         self._write_pool = ThreadPoolExecutor(
             max_workers=2 * BUFFERS, thread_name_prefix="boxwarden-write", initializer=lower_this_thread
         )
+        # verify's O_DIRECT reads: enough for two verifies at full depth.
+        self._read_pool = ThreadPoolExecutor(
+            max_workers=2 * DIRECT_DEPTH, thread_name_prefix="boxwarden-read", initializer=lower_this_thread
+        )
 
     @classmethod
-    def from_url(cls, url: str, scope: tuple[str, ...] = ()) -> LocalStore:
+    def from_url(cls, url: str, scope: tuple[str, ...] = (), pace: Pace = UNLIMITED) -> LocalStore:
         """Open `file:///abs/dir`, creating `dir` (not its parents) if it is missing, then the
         `scope` directories under it (never through a symlink)."""
         parts = urlsplit(url)
@@ -196,7 +204,7 @@ class LocalStore:
         # Resolve once: symlinks in the configured path are the operator's choice; under it, none.
         base = root.resolve(strict=True)
         if not scope:
-            return cls(base, url=url)
+            return cls(base, url=url, pace=pace)
         check_scope(url, scope)
         try:
             dir_fds, _ = walk_dirs(base, scope, create=True)
@@ -204,7 +212,8 @@ class LocalStore:
             raise ConfigError(f"durable URL {url!r}: {exc}") from exc
         for dfd in dir_fds:
             close_fd(dfd)
-        return cls(base.joinpath(*scope), url="/".join([url.rstrip("/"), *(quote(p) for p in scope)]))
+        scoped = "/".join([url.rstrip("/"), *(quote(p) for p in scope)])
+        return cls(base.joinpath(*scope), url=scoped, pace=pace)
 
     # ----------------------------------------------------------------------------------- stage
 
@@ -239,6 +248,7 @@ class LocalStore:
                         chunk_size=self._chunk_size,
                         limit=before.size,
                         progress=progress,
+                        pace=self._pace,
                     )
                     if ahead is not None:
                         os.ftruncate(out_fd, copied)  # pushed ahead past where the file ends now
@@ -276,7 +286,7 @@ class LocalStore:
             self._reserve(held.fd, held.path, end)  # O_DIRECT writes into allocated blocks run side by side
             return _FileSink(held.fd, held.path, held.direct, ahead, recording=True)
 
-        copier.push_ahead(ahead, held.path, src_fd, upto, sink_to, self._write_pool)
+        copier.push_ahead(ahead, held.path, src_fd, upto, sink_to, self._write_pool, self._pace)
 
     def discard_ahead(self, ahead: Ahead) -> None:
         held = self._ahead_file(ahead)
@@ -493,10 +503,7 @@ class LocalStore:
             # dirtied it since, flushing first is what makes the re-read come from the device.
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            size = os.fstat(fd).st_size
-            actual = hash_in_child(fd, path, size) if size >= self._child_verify_min else None
-            if actual is None:
-                actual = hash_by_read(fd)
+            actual = self._hash_from_device(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise storage_error("re-reading durable copy", path, exc) from exc
@@ -509,6 +516,21 @@ class LocalStore:
         # directory fsync leaves a rename that a power cut could still undo.
         self._sync_dirs(split_rel(rel)[:-1], path)
         return REREAD
+
+    def _hash_from_device(self, fd: int) -> str:
+        """The copy's digest as the device gives it: O_DIRECT reads, or where the filesystem
+        refuses them, reads of the (just dropped) page cache."""
+        if self._direct_read:
+            try:
+                return hash_direct(fd, self._read_pool, self._pace)
+            except DirectUnsupported as exc:
+                logger.warning(
+                    "%s refuses O_DIRECT reads (%s); verifying through the page cache from now on",
+                    self.root,
+                    exc,
+                )
+                self._direct_read = False
+        return hash_by_read(fd, self._pace)
 
     def _sync_dirs(self, parts: tuple[str, ...], path: Path) -> None:
         try:
@@ -696,3 +718,4 @@ class LocalStore:
 
     def close(self) -> None:
         self._write_pool.shutdown(wait=True)
+        self._read_pool.shutdown(wait=True)

@@ -65,6 +65,7 @@ from sidecar.storage import (
     split_rel,
 )
 from sidecar.storage.copier import Ahead, single_pass
+from sidecar.storage.pace import UNLIMITED, Pace
 
 logger = logging.getLogger(__name__)
 
@@ -200,11 +201,15 @@ def read_credentials(path: Path) -> dict[str, str]:
 class S3Store:
     """A durable store under one key prefix of one bucket. Thread-safe."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str, *, url: str, proof: str = REREAD) -> None:
+    def __init__(
+        self, client: Any, bucket: str, prefix: str, *, url: str, proof: str = REREAD, pace: Pace = UNLIMITED
+    ) -> None:
         """`prefix` is "" or ends with "/"; every key of the store starts with it. `proof`: how
-        verify proves a copy by default (REREAD, or SERVER_CHECKSUM where the user opted in)."""
+        verify proves a copy by default (REREAD, or SERVER_CHECKSUM where the user opted in).
+        `pace`: the byte rate uploads and re-reads keep to (`storage.pace`)."""
         self._client, self.bucket, self.prefix, self.url = client, bucket, prefix, url
         self.proof = proof
+        self._pace = pace
         self._pool = ThreadPoolExecutor(
             max_workers=2 * PARTS_IN_FLIGHT, thread_name_prefix="boxwarden-s3", initializer=lower_this_thread
         )
@@ -214,7 +219,9 @@ class S3Store:
         self._client_error = ClientError
 
     @classmethod
-    def from_url(cls, url: str, scope: tuple[str, ...] = (), credentials: Path | None = None) -> S3Store:
+    def from_url(
+        cls, url: str, scope: tuple[str, ...] = (), credentials: Path | None = None, pace: Pace = UNLIMITED
+    ) -> S3Store:
         parts = urlsplit(url)
         bucket = parts.netloc
         if "@" in url or ":" in bucket:  # may carry a key and secret: never echoed
@@ -264,7 +271,8 @@ class S3Store:
             ),
         )
         base = url.split("?", 1)[0].rstrip("/")
-        return cls(client, bucket, prefix, url="/".join([base, *(quote(p) for p in scope)]), proof=proof)
+        scoped = "/".join([base, *(quote(p) for p in scope)])
+        return cls(client, bucket, prefix, url=scoped, proof=proof, pace=pace)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -357,6 +365,7 @@ class S3Store:
                     buffers=PARTS_IN_FLIGHT,
                     limit=before.size,
                     progress=progress,
+                    pace=self._pace,
                 )
                 check_source_unchanged(src, before, src_fd, copied)
             except BaseException:
@@ -390,7 +399,7 @@ class S3Store:
 
     def push_ahead(self, ahead: Ahead, src_fd: int, upto: int) -> None:
         sink = _PartSink(self, self._upload_ahead(ahead), ahead, recording=True)
-        copier.push_ahead(ahead, Path(ahead.rel), src_fd, upto, lambda end: sink, self._pool)
+        copier.push_ahead(ahead, Path(ahead.rel), src_fd, upto, lambda end: sink, self._pool, self._pace)
 
     def discard_ahead(self, ahead: Ahead) -> None:
         self._abort(self._upload_ahead(ahead))
@@ -593,6 +602,7 @@ class S3Store:
             with body:
                 for chunk in iter(lambda: body.read(READ_CHUNK), b""):
                     hasher.update(chunk)
+                    self._pace.take(len(chunk))
         except self._errors as exc:
             raise self._failure("re-reading", key, exc) from None
         except OSError as exc:

@@ -180,6 +180,20 @@ def test_drain_waits_until_nothing_is_at_risk(tmp_path: Path) -> None:
         assert all(c.durable for c in d.claims())
 
 
+def test_a_drain_pushes_at_full_speed_whatever_the_pace(tmp_path: Path) -> None:
+    """At 1 MB/s, a 16 MiB checkpoint takes half a minute to stage and re-read; a drain lifts the
+    pace, so it is durable well within the drain's 15 s, and the pace holds again afterwards."""
+    with running(tmp_path, push_rate_bytes_s=1_000_000) as d:
+        write(d.watch / "big.pt", 16 * MIB)
+        wait_until(lambda: any(k == "ARTIFACT_SEALED" for k, _, _ in kinds(d)), timeout=60, what="the seal")
+        stream = d.stub.Drain(pb.DrainRequest(wait=True, timeout_s=15), timeout=60)
+        first = next(stream)
+        assert first.at_risk_files == 1  # paced: not durable yet
+        rest = list(stream)
+        assert rest[-1].done and rest[-1].at_risk_files == 0
+        assert all(c.durable for c in d.claims())
+
+
 def test_sigterm_drains_a_200mib_checkpoint_sealed_just_before_within_the_grace(tmp_path: Path) -> None:
     with running(tmp_path, drain_grace_s=30) as d:
         digest = write(d.watch / "cell-a" / "big.pt", 200 * MIB)

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import mmap
 import os
 import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from sidecar import hashing
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.hashing import MMAP_THRESHOLD, hash_file, hash_file_read, is_digest, new_hasher
-from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, open_store
+from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, fsio, open_store
 from sidecar.storage.local import LocalStore
 
 EMPTY_DIGEST = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
 SMALL_CHUNK = 4096
+SMALL_DIRECT = 64 << 10  # hash_direct's read size in tests: many reads out of a small file
 
 needs_b3sum = pytest.mark.skipif(shutil.which("b3sum") is None, reason="b3sum is not installed")
 
@@ -539,22 +545,76 @@ def test_constructor_arguments_are_checked(tmp_path: Path) -> None:
         LocalStore(Path("relative"))
 
 
-def test_verify_in_a_child_process_agrees_and_catches_corruption(tmp_path: Path) -> None:
-    """Copies at or above child_verify_min are hashed by a child that maps the file (as b3sum
-    does); the answer must be the same, and a flipped byte must still fail."""
+@pytest.mark.parametrize(
+    "size",
+    [0, 1, 4095, 4096, 4097, 3 * SMALL_DIRECT - 1, 3 * SMALL_DIRECT, 9 * SMALL_DIRECT + 17],
+)
+def test_hash_direct_reads_every_byte_of_any_size(
+    tmp_path: Path, size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """O_DIRECT reads come in whole blocks and several at once: a short tail, an exact multiple of
+    the read size and more chunks than reads in flight must all hash as the file does."""
+    monkeypatch.setattr(fsio, "DIRECT_CHUNK", SMALL_DIRECT)
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(fsio.DIRECT_DEPTH) as pool:
+            assert fsio.hash_direct(fd, pool) == hashing.hash_file(path)
+    finally:
+        os.close(fd)
+
+
+def test_verify_from_the_device_catches_a_flipped_byte_in_a_big_copy(
+    store: LocalStore, tmp_path: Path
+) -> None:
+    """A copy of many read chunks (O_DIRECT or, for the buffered store, the page cache): a byte
+    flipped in the middle after commit fails the proof."""
+    src = tmp_path / "big.bin"
+    src.write_bytes(os.urandom(20 << 20))
+    staged = store.stage(src, "big.bin")
+    store.commit(staged)
+    assert store.verify("big.bin", staged.digest) == "reread"
+    copy = store.root / "big.bin"
+    with open(copy, "r+b") as f:
+        f.seek(13 << 20)
+        byte = f.read(1)
+        f.seek(13 << 20)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert store.verify("big.bin", staged.digest) is None
+
+
+def test_verify_falls_back_to_the_page_cache_where_o_direct_reads_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that takes O_DIRECT at open but refuses the read (EINVAL, as some FUSE and
+    network mounts do): verify still proves the copy, by reading through the page cache, and
+    keeps doing so; the fd it fell back on has O_DIRECT cleared (its reads would fail too)."""
     root = tmp_path / "store"
     root.mkdir()
-    store = LocalStore(root, child_verify_min=1 << 20)
+    store = LocalStore(root)
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(3 << 20))
+    real_preadv = os.preadv
+    refused: list[int] = []
+
+    def preadv(fd: int, buffers: list[mmap.mmap], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
     try:
-        src = tmp_path / "big.bin"
-        src.write_bytes(os.urandom(3 << 20))
-        staged = store.stage(src, "big.bin")
+        staged = store.stage(src, "f.bin")
         store.commit(staged)
-        assert store.verify("big.bin", staged.digest)
-        copy = root / "big.bin"
-        data = bytearray(copy.read_bytes())
-        data[2 << 20] ^= 0xFF
-        copy.write_bytes(bytes(data))
-        assert not store.verify("big.bin", staged.digest)
+        monkeypatch.setattr(fsio.os, "preadv", preadv)
+        assert store.verify("f.bin", staged.digest) == "reread"
+        assert refused  # it tried O_DIRECT first
+        n = len(refused)
+        assert store.verify("f.bin", staged.digest) == "reread"
+        assert len(refused) == n  # and does not try again
+        with open(root / "f.bin", "r+b") as f:
+            f.write(b"X")
+        assert store.verify("f.bin", staged.digest) is None  # the fallback still proves
     finally:
         store.close()

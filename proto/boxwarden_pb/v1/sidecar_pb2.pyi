@@ -214,6 +214,7 @@ class SidecarConfig(_message.Message):
     KEEP_FIELD_NUMBER: _builtins.int
     DRAIN_GRACE_S_FIELD_NUMBER: _builtins.int
     AHEAD_MIN_BYTES_FIELD_NUMBER: _builtins.int
+    PUSH_RATE_BYTES_S_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -265,6 +266,10 @@ class SidecarConfig(_message.Message):
     streaming): at its seal, the one full read pass writes only the chunks that changed since and
     the tail. 0 means the default, 256 MiB.
     """
+    push_rate_bytes_s: _builtins.int
+    """Bytes per second that pushes and their re-reads keep to, box-wide, so the trainer keeps its
+    caches and memory bandwidth (a drain lifts it). 0 means the default, 400 MB/s; negative: no limit.
+    """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Directories to watch, recursively. Absolute paths."""
@@ -305,10 +310,11 @@ class SidecarConfig(_message.Message):
         keep: _builtins.str = ...,
         drain_grace_s: _builtins.int = ...,
         ahead_min_bytes: _builtins.int = ...,
+        push_rate_bytes_s: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_min_bytes", b"ahead_min_bytes", "box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_min_bytes", b"ahead_min_bytes", "box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "push_rate_bytes_s", b"push_rate_bytes_s", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
