@@ -49,7 +49,7 @@ TITLE = "seal → durable+proven, s3:// (moto)"
 TARGET = 0.8  # ≤ 0.8× the baseline's time
 REL = "ckpt.bin"
 SCOPE = ("bench", "run-0001")
-RUNS = 3
+RUNS = 5
 _DOWNLOAD_CHUNK = 8 << 20
 
 
