@@ -172,7 +172,11 @@ async def up(
     live = old if old is not None and old.status != "down" else None  # a box not torn down
     if live is not None and keep is not None and keep != live.keep:
         raise UsageError(f"{name} keeps {live.keep or 'every box copy'}; `down` it before changing --keep")
-    if live is not None and rate is not None and rate != live.push_rate:
+    if (
+        live is not None
+        and rate is not None
+        and effective_push_rate(rate) != effective_push_rate(live.push_rate)
+    ):
         raise UsageError(
             f"{name} pushes at {show_push_rate(live.push_rate)}; `down` it before changing --push-rate"
         )
@@ -418,14 +422,17 @@ def check_keep(rules: str) -> None:
             )
 
 
-PUSH_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([kmg]?)(?:i?b)?(?:/s)?", re.IGNORECASE)
+PUSH_RATE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*(?:([kmg])(i?)b?)?(?:/s)?", re.IGNORECASE)
 NO_PUSH_LIMIT = ("max", "none", "unlimited")
-MIN_PUSH_RATE = 10**6
+MIN_PUSH_RATE = 10**6  # the sidecar refuses less (sidecar.storage.pace.MIN_RATE)
+MAX_PUSH_RATE = 10**12  # a terabyte per second: any more is a typo (and the config holds an int64)
+DEFAULT_PUSH_RATE = 400 * 10**6  # what the sidecar does with 0 (sidecar.storage.pace.DEFAULT_RATE)
 
 
 def parse_push_rate(text: str) -> int:
-    """`--push-rate`: bytes per second (`400M`, `1.5G`, `250MB/s`; K, M, G are powers of 1000), or
-    `max` for no limit (-1). Below 1 MB/s is refused: `--push-rate 100` surely meant 100M."""
+    """`--push-rate`: bytes per second (`400M`, `1.5G`, `250MB/s`: K, M, G are powers of 1000;
+    KiB, MiB, GiB of 1024), or `max` for no limit (-1). Below 1 MB/s is refused: `--push-rate 100`
+    surely meant 100M."""
     t = text.strip()
     if t.lower() in NO_PUSH_LIMIT:
         return -1
@@ -434,19 +441,27 @@ def parse_push_rate(text: str) -> int:
         raise UsageError(
             f"--push-rate {text!r}: give bytes per second, e.g. 200M or 1G, or 'max' for no limit"
         )
-    rate = int(float(m.group(1)) * 1000 ** " kmg".index(m.group(2).lower() or " "))
+    number, unit, binary = m.group(1), (m.group(2) or "").lower(), bool(m.group(3))
+    rate = int(float(number) * (1024 if binary else 1000) ** " kmg".index(unit or " "))
     if rate < MIN_PUSH_RATE:
+        hint = f"; did you mean {number}M?" if not unit and float(number) > 0 else ""
         raise UsageError(
             f"--push-rate {text!r} is {rate} bytes/s, under 1 MB/s: a checkpoint would take hours to be "
-            f"durable; did you mean {text.strip()}M?"
+            f"durable{hint}"
         )
+    if rate > MAX_PUSH_RATE:
+        raise UsageError(f"--push-rate {text!r} is over 1 TB/s; for no limit say --push-rate max")
     return rate
 
 
+def effective_push_rate(rate: int) -> int:
+    """The rate a box's sidecar keeps to (-1: none), from the rate recorded for it (0: the default)."""
+    return DEFAULT_PUSH_RATE if rate == 0 else rate
+
+
 def show_push_rate(rate: int) -> str:
-    if rate < 0:
-        return "no limit"
-    return "the default rate" if rate == 0 else f"{rate / 1e6:g} MB/s"
+    rate = effective_push_rate(rate)
+    return "no limit" if rate < 0 else f"{rate / 1e6:g} MB/s"
 
 
 def check_exclude(pattern: str) -> None:

@@ -238,7 +238,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
         return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]
 
-    releaser = Releaser(sealer, running_jobs)
+    releaser = Releaser(sealer, running_jobs, pace)
     restored = await releaser.restore_asides()
     if restored:
         logger.warning("put back %d files an interrupted release had renamed aside", restored)
@@ -327,6 +327,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         await _drain(backlog, sealer, ledger, s.drain_grace_s)
     finally:
         logger.info("shutting down")
+        pace.end()  # a push still running finishes at full speed: the grace is running out
         await server.stop(grace=1.0)
         for w in workers:
             w.cancel()

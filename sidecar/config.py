@@ -20,7 +20,7 @@ from sidecar.errors import ConfigError
 from sidecar.keep import NO_RULES, KeepRules, parse_keep
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
 from sidecar.storage import local_dir
-from sidecar.storage.pace import DEFAULT_RATE
+from sidecar.storage.pace import DEFAULT_RATE, MIN_RATE
 
 BOX_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -143,6 +143,12 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         keep = parse_keep(msg.keep)
     except ValueError as e:
         raise fail("keep", str(e)) from None
+    if 0 < msg.push_rate_bytes_s < MIN_RATE:
+        raise fail(
+            "push_rate_bytes_s",
+            f"{msg.push_rate_bytes_s} bytes/s would take hours per checkpoint: give at least {MIN_RATE}, "
+            "0 for the default or a negative number for no limit",
+        )
     return Settings(
         box_name=msg.box_name,
         profile=msg.profile or "local",

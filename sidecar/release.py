@@ -37,6 +37,7 @@ from sidecar.paths import RELEASE_ASIDE_PREFIX, open_regular
 from sidecar.renames import rename_noreplace
 from sidecar.sealer import Sealer, identity
 from sidecar.storage.fsio import hash_by_read
+from sidecar.storage.pace import UNLIMITED, Pace
 from sidecar.strays import Caller
 
 logger = logging.getLogger(__name__)
@@ -69,9 +70,12 @@ sidecar.strays); the argument is who asks (pb.Caller)."""
 
 
 class Releaser:
-    def __init__(self, sealer: Sealer, running_jobs: RunningJobs) -> None:
+    def __init__(self, sealer: Sealer, running_jobs: RunningJobs, pace: Pace = UNLIMITED) -> None:
+        """`pace`: the stores' byte rate, lifted while a release runs (it runs only once no job
+        does: the user waits at `down`, with the meter running)."""
         self._s = sealer
         self._running_jobs = running_jobs
+        self._pace = pace
         self._lock = asyncio.Lock()
         self._released = False
 
@@ -94,28 +98,34 @@ class Releaser:
                 refused=[Refusal("RELEASE_RUNNING", detail="another release is running on this box")]
             )
         async with self._lock:
-            result = ReleaseResult()
-            verified = self._s.ledger.current_claims()
-            result.refused = await self._preconditions(digest, verified, caller, accept_server_checksum)
-            if result.refused:
-                return result
-            # Only the claims the digest named and that were just proven durable: one sealed while
-            # they were proven (the proof takes a while) was never pulled, and `_after` refuses it.
-            for v in verified:
-                async with self._s.lock(v.path):
-                    c = self._s.ledger.current(v.path)
-                    if c is None or c.id != v.id:
-                        why = "changed since it was verified" if c is not None else "already gone"
-                    else:
-                        why = await self._release_one(c)
-                if why:
-                    result.kept.append(f"{v.path}: {why}")
-                else:
-                    result.deleted.append(v.path)
-            self._s.notify()
-            result.refused = await self._after(digest, result, caller)
-            self._released = self._released or not result.refused
+            with self._pace.lifted():
+                return await self._release(digest, caller, accept_server_checksum)
+
+    async def _release(
+        self, digest: str, caller: Caller | None, accept_server_checksum: bool
+    ) -> ReleaseResult:
+        result = ReleaseResult()
+        verified = self._s.ledger.current_claims()
+        result.refused = await self._preconditions(digest, verified, caller, accept_server_checksum)
+        if result.refused:
             return result
+        # Only the claims the digest named and that were just proven durable: one sealed while
+        # they were proven (the proof takes a while) was never pulled, and `_after` refuses it.
+        for v in verified:
+            async with self._s.lock(v.path):
+                c = self._s.ledger.current(v.path)
+                if c is None or c.id != v.id:
+                    why = "changed since it was verified" if c is not None else "already gone"
+                else:
+                    why = await self._release_one(c)
+            if why:
+                result.kept.append(f"{v.path}: {why}")
+            else:
+                result.deleted.append(v.path)
+        self._s.notify()
+        result.refused = await self._after(digest, result, caller)
+        self._released = self._released or not result.refused
+        return result
 
     async def _preconditions(
         self, digest: str, claims: list[ClaimRow], caller: Caller | None, cheap_proof: bool

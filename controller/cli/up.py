@@ -101,7 +101,7 @@ from controller.state import exclusive
     help="Bytes per second the box's pushes and their re-reads keep to, e.g. 200M or 1G ('max': no "
     "limit). Every byte pushed crosses the caches and memory bus the trainer uses: at full speed a push "
     "slowed a CPU-bound trainer's steps by 10-25%, at the default 400M by ~3%. A drain (SIGTERM, "
-    "`boxwarden drain`) always pushes at full speed.",
+    "`boxwarden drain --wait`) and the re-reads of `down` always go at full speed.",
 )
 @roster_option
 @json_flag

@@ -157,17 +157,20 @@ def hash_direct(fd: int, pool: Executor, pace: Pace = UNLIMITED) -> str:
         if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             raise DirectUnsupported(str(exc)) from exc
         raise
-    # Sized to the file: a small copy needs one small buffer, not DIRECT_DEPTH big ones.
+    # Sized to the file: a small copy needs one small buffer and one read, not DIRECT_DEPTH.
     size = os.fstat(fd).st_size
     chunk = min(DIRECT_CHUNK, -(-(size + 1) // _DIRECT_ALIGN) * _DIRECT_ALIGN)
-    ring = [mmap.mmap(-1, chunk) for _ in range(DIRECT_DEPTH)]
+    planned = size // chunk + 1  # the last one short (maybe empty): it tells the end
+    depth = min(DIRECT_DEPTH, planned)
+    ring = [mmap.mmap(-1, chunk) for _ in range(depth)]
     hasher = hashing.new_hasher()
     reads: deque[Future[int]] = deque()
-    submitted = 0  # reads submitted: read i is of offset i * chunk, into ring[i % DIRECT_DEPTH]
+    submitted = 0  # reads submitted: read i is of offset i * chunk, into ring[i % depth]
     try:
         while True:
-            while len(reads) < DIRECT_DEPTH:
-                reads.append(pool.submit(os.preadv, fd, [ring[submitted % DIRECT_DEPTH]], submitted * chunk))
+            # Past the planned reads (the file grew), one at a time until one comes back short.
+            while len(reads) < depth and (submitted < planned or not reads):
+                reads.append(pool.submit(os.preadv, fd, [ring[submitted % depth]], submitted * chunk))
                 submitted += 1
             done = submitted - len(reads)
             try:
@@ -178,7 +181,7 @@ def hash_direct(fd: int, pool: Executor, pace: Pace = UNLIMITED) -> str:
                     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
                     raise DirectUnsupported(str(exc)) from exc
                 raise
-            hasher.update(memoryview(ring[done % DIRECT_DEPTH])[:n])
+            hasher.update(memoryview(ring[done % depth])[:n])
             pace.take(n)
             if n < chunk:  # the end of the file: the reads submitted past it return nothing
                 return hasher.hexdigest()

@@ -9,7 +9,8 @@ at full speed (~1.1 GB/s) slowed the trainer's steps by 9 % while it ran; at 500
 250 MB/s by 3.5 %. The cost is per byte, so a slower pace spreads it thinner.
 
 A drain lifts the pace (`lifted`): when the box is going away, or the user asked for everything now,
-the bytes matter more than the trainer's step time.
+the bytes matter more than the trainer's step time. So does a release (the re-reads `down` makes
+before deleting box copies: no job runs then, and the user waits), and an exiting sidecar (`end`).
 
 This module owns the rate and nothing else: a store calls `take(n)` after each chunk it moved.
 """
@@ -25,6 +26,9 @@ DEFAULT_RATE = 400 * 10**6
 """Bytes per second when the configuration says nothing: a 1 GiB checkpoint durable and re-read
 in about 6 s, a 20 GiB one in about 2 minutes, with the trainer's steps at most ~5 % slower
 meanwhile (bench/trainstep.py)."""
+
+MIN_RATE = 10**6
+"""The lowest rate a configuration may ask for (below it a checkpoint takes hours: a typo)."""
 
 BURST_S = 0.05
 """How far a push may run ahead of the rate after a pause (a chunk or two), in seconds of rate."""
@@ -71,6 +75,12 @@ class Pace:
                 if not self._lifts:
                     self._lifted.clear()
                     self._next = self._clock()  # no debt from the drain's bytes
+
+    def end(self) -> None:
+        """No limit from now on, and every push asleep in the pace wakes (the sidecar is exiting)."""
+        with self._lock:
+            self.rate = 0
+            self._lifted.set()
 
     @property
     def is_lifted(self) -> bool:

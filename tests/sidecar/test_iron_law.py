@@ -439,21 +439,50 @@ def test_a_mount_inside_a_watched_dir_is_reported_not_looked_through(tmp_path: P
         assert not any(p.path == "sub2" for p in d.listing().pending)
 
 
+@contextlib.contextmanager
+def throttled_reads(pid: int, path: Path, bytes_per_s: int) -> Iterator[None]:
+    """Hold the process's reads from the block device that holds `path` to `bytes_per_s`: a real
+    cgroup v1 blkio throttle, the process moved into a group of its own and back afterwards."""
+    root = Path("/sys/fs/cgroup/blkio")
+    if not (root / "blkio.throttle.read_bps_device").exists():
+        pytest.skip("no cgroup v1 blkio controller on this machine to slow a read with")
+    home = next(
+        (line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+         if line.split(":")[1] == "blkio"),
+        "/",
+    )  # fmt: skip
+    dev = os.stat(path).st_dev
+    group = root / f"boxwarden-test-{os.getpid()}-{pid}"
+    group.mkdir()
+    try:
+        try:
+            (group / "blkio.throttle.read_bps_device").write_text(
+                f"{os.major(dev)}:{os.minor(dev)} {bytes_per_s}"
+            )
+        except OSError as exc:
+            pytest.skip(f"the device of {path} cannot be throttled ({exc.strerror}): a partition or no disk")
+        (group / "cgroup.procs").write_text(str(pid))
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            (root / home.lstrip("/") / "cgroup.procs").write_text(str(pid))
+        group.rmdir()
+
+
 def test_a_file_sealed_while_the_release_proves_the_copies_is_never_deleted(tmp_path: Path) -> None:
     """Review 8, finding 1: the release proved the verified claims durable (which takes a while),
     then deleted every claim current by then, a file sealed meanwhile too: never pulled, perhaps
     never durable, and `down` went on. Only the claims the verified digest named are released.
 
-    The proof is held up by the push rate: at 2 MB/s the re-read of a 16 MiB copy takes 8 s (the
-    push itself is drained, at full speed); late.bin is written once the sidecar has the copy open."""
-    with running(tmp_path, push_rate_bytes_s=2_000_000) as d:
+    The proof is held up by the device: the sidecar's reads of it are throttled to 2 MB/s, so the
+    re-read of a 16 MiB copy takes 8 s; late.bin is written once the sidecar has the copy open."""
+    with running(tmp_path) as d:
         assert d.proc is not None
         sidecar = d.proc.pid
         (d.watch / "big.bin").write_bytes(os.urandom(16 << 20))
-        wait_until(lambda: claim_of(d, "big.bin"), what="big.bin sealed")
-        assert list(d.stub.Drain(pb.DrainRequest(wait=True, timeout_s=60), timeout=90))[-1].done
+        d.wait_durable(1)
         req = pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest)
-        with ThreadPoolExecutor(1) as pool:
+        with throttled_reads(sidecar, d.store, 2_000_000), ThreadPoolExecutor(1) as pool:
             release = pool.submit(d.stub.ReleaseArtifacts, req, timeout=120)
             copy = str(d.store / "big.bin")
             wait_until(lambda: copy in open_paths(sidecar), what="the release re-reading the copy")
@@ -464,6 +493,18 @@ def test_a_file_sealed_while_the_release_proves_the_copies_is_never_deleted(tmp_
         assert list(resp.deleted) == ["big.bin"]
         assert [(r.code, r.path) for r in resp.refused] == [("MANIFEST_STALE", "late.bin")]
         assert (d.watch / "late.bin").read_bytes() == b"written while the release proves the copies"
+
+
+def test_the_release_re_reads_at_full_speed_whatever_the_push_rate(tmp_path: Path) -> None:
+    """At 1 MB/s the proof of a 16 MiB copy would take 16 s; `down`'s release runs when no job
+    does and the user waits: it lifts the rate, and ends well within its 10 s deadline."""
+    with running(tmp_path, push_rate_bytes_s=1_000_000) as d:
+        (d.watch / "big.bin").write_bytes(os.urandom(16 << 20))
+        wait_until(lambda: claim_of(d, "big.bin"), timeout=60, what="big.bin sealed")
+        assert list(d.stub.Drain(pb.DrainRequest(wait=True, timeout_s=60), timeout=90))[-1].done
+        req = pb.ReleaseArtifactsRequest(manifest_digest=d.listing().manifest_digest)
+        resp = d.stub.ReleaseArtifacts(req, timeout=10)
+        assert (list(resp.deleted), list(resp.refused)) == (["big.bin"], [])
 
 
 def test_two_names_of_one_file_are_both_released(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.config import from_message
+from sidecar.errors import ConfigError
 from sidecar.storage.local import LocalStore
 from sidecar.storage.pace import BURST_S, DEFAULT_RATE, Pace
 from tests.conftest import wait_until
@@ -46,6 +47,19 @@ def test_a_lift_frees_the_pushes_at_once_and_leaves_no_debt_behind() -> None:
         assert pace.is_lifted and pace.owed(10**9) == 0.0
     assert not pace.is_lifted
     assert pace.owed(500) == pytest.approx(0.5)  # the drain's bytes are not owed afterwards
+
+
+def test_an_ended_pace_never_waits_again_and_wakes_who_waits() -> None:
+    pace = Pace(1)
+    woke = threading.Event()
+    t = threading.Thread(target=lambda: (pace.take(10**9), woke.set()), daemon=True)
+    t.start()
+    wait_until(lambda: pace.owed(0) > 1000, timeout=10, what="the push to owe its bytes")
+    pace.end()
+    wait_until(woke.is_set, timeout=10, what="the paced push to wake")
+    with pace.lifted():
+        pass
+    assert pace.owed(10**9) == 0.0  # a lift ending does not bring the rate back
 
 
 def test_a_push_asleep_in_the_pace_wakes_when_a_drain_lifts_it() -> None:
@@ -114,3 +128,5 @@ def test_the_config_rate_defaults_and_a_negative_one_means_no_limit(tmp_path: Pa
     assert settings(0) == DEFAULT_RATE
     assert settings(-1) == 0
     assert settings(250_000_000) == 250_000_000
+    with pytest.raises(ConfigError, match="push_rate_bytes_s: 5 bytes/s"):
+        settings(5)

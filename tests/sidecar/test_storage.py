@@ -18,7 +18,7 @@ import pytest
 from sidecar import hashing
 from sidecar.errors import ChangedError, ConfigError, PreconditionError, StorageError, UnsafePathError
 from sidecar.hashing import MMAP_THRESHOLD, hash_file, hash_file_read, is_digest, new_hasher
-from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, fsio, open_store
+from sidecar.storage import ID_NAME, TMP_DIRNAME, StagedCopy, fsio, local, open_store
 from sidecar.storage.local import LocalStore
 
 EMPTY_DIGEST = "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
@@ -560,9 +560,35 @@ def test_hash_direct_reads_every_byte_of_any_size(
     fd = os.open(path, os.O_RDONLY)
     try:
         with ThreadPoolExecutor(fsio.DIRECT_DEPTH) as pool:
-            assert fsio.hash_direct(fd, pool) == hashing.hash_file(path)
+            assert direct_or_skip(fd, pool) == hashing.hash_file(path)
     finally:
         os.close(fd)
+
+
+def direct_or_skip(fd: int, pool: ThreadPoolExecutor) -> str:
+    try:
+        return fsio.hash_direct(fd, pool)
+    except fsio.DirectUnsupported as exc:
+        pytest.skip(f"this filesystem takes no O_DIRECT reads ({exc})")
+
+
+def test_hash_direct_reads_a_file_that_grew_since_it_was_sized_to_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reads are planned from fstat's size; bytes found past it are read and hashed too (one
+    read at a time until a short one), never left out of the digest."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(300 << 10))
+    real_fstat = os.fstat
+    monkeypatch.setattr(fsio.os, "fstat", lambda fd: os.stat_result((0,) * 6 + (10,) + (0,) * 3))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(fsio.DIRECT_DEPTH) as pool:
+            found = direct_or_skip(fd, pool)
+    finally:
+        os.close(fd)
+        monkeypatch.setattr(fsio.os, "fstat", real_fstat)
+    assert found == hashing.hash_file(path)
 
 
 def test_verify_from_the_device_catches_a_flipped_byte_in_a_big_copy(
@@ -604,10 +630,17 @@ def test_verify_falls_back_to_the_page_cache_where_o_direct_reads_are_refused(
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_preadv(fd, buffers, offset)
 
+    flags_seen: list[int] = []
+
+    def hash_by_read(fd: int, pace: object) -> str:
+        flags_seen.append(fcntl.fcntl(fd, fcntl.F_GETFL))
+        return fsio.hash_by_read(fd)
+
     try:
         staged = store.stage(src, "f.bin")
         store.commit(staged)
         monkeypatch.setattr(fsio.os, "preadv", preadv)
+        monkeypatch.setattr(local, "hash_by_read", hash_by_read)
         assert store.verify("f.bin", staged.digest) == "reread"
         assert refused  # it tried O_DIRECT first
         n = len(refused)
@@ -616,5 +649,6 @@ def test_verify_falls_back_to_the_page_cache_where_o_direct_reads_are_refused(
         with open(root / "f.bin", "r+b") as f:
             f.write(b"X")
         assert store.verify("f.bin", staged.digest) is None  # the fallback still proves
+        assert flags_seen and not any(f & os.O_DIRECT for f in flags_seen)
     finally:
         store.close()
