@@ -9,8 +9,11 @@ This module owns the copy, commit and proof of one artifact on a POSIX filesyste
   and the trainer keeps its page cache. Where O_DIRECT is refused, written ranges are pushed to
   the device early instead (POSIX_FADV_DONTNEED starts writeback of dirty pages).
 - commit: fsync the temp, rename it into place, fsync every directory the rename touched.
-- verify: drop the copy from the page cache, then re-read it from the device and hash it; a
+- verify: re-read the copy from the device and hash it: O_DIRECT reads (`fsio.hash_direct`), or
+  where the filesystem refuses them, reads after the copy was dropped from the page cache; a
   verification that reads cached pages proves nothing about the disk.
+
+Stage and verify keep to the sidecar's push rate (`pace.py`), given to the store.
 
 Paths inside the root are walked without following symlinks (`tree.py`); the low-level reads,
 writes and the device re-read live in `fsio.py`.
