@@ -40,3 +40,12 @@ def test_manifest_digest_parity_with_unicode_and_ordering() -> None:
     canonical = cdigest.canonical_manifest_json(manifest_files).decode()
     assert canonical.startswith('{"files":[{"blake3":"' + "b" * 64 + '","bytes":0,"path":"A/upper.pt"}')
     assert "cell-ä" in canonical  # written as itself, not \\u escaped
+
+
+def test_the_push_rate_the_controller_assumes_is_the_sidecars() -> None:
+    """The controller cannot import the sidecar: it keeps its own copy of the default rate (what
+    0 means) and of the lowest one the sidecar takes."""
+    from controller import boxes
+    from sidecar.storage import pace
+
+    assert (boxes.DEFAULT_PUSH_RATE, boxes.MIN_PUSH_RATE) == (pace.DEFAULT_RATE, pace.MIN_RATE)

@@ -266,7 +266,7 @@ def local_dir(url: str) -> Path | None:
 
 
 def open_store(
-    url: str, scope: tuple[str, ...] = (), credentials: Path | None = None, pace: Pace | None = None
+    url: str, scope: tuple[str, ...] = (), credentials: Path | None = None, pace: Pace = UNLIMITED
 ) -> DurableStore:
     """Open the durable store named by `url`, narrowed to the sub-directories `scope` (a box's
     name, then its run id: every run gets its own corner).
@@ -279,7 +279,6 @@ def open_store(
     or boto3's standard sources. Anything else raises ConfigError. `pace`: the byte rate its pushes
     keep to (`storage.pace`; none by default).
     """
-    pace = pace if pace is not None else UNLIMITED
     scheme = urlsplit(url).scheme if isinstance(url, str) else ""
     if scheme == "file":
         if credentials is not None:

@@ -22,7 +22,6 @@ writes and the device re-read live in `fsio.py`.
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import stat
@@ -52,6 +51,7 @@ from sidecar.storage import (
 )
 from sidecar.storage.copier import BUFFERS, Ahead, single_pass
 from sidecar.storage.fsio import (
+    DIRECT_ALIGN,
     DIRECT_DEPTH,
     DirectUnsupported,
     close_fd,
@@ -59,6 +59,7 @@ from sidecar.storage.fsio import (
     hash_direct,
     preallocate,
     pwrite_all,
+    set_direct,
     storage_error,
 )
 from sidecar.storage.pace import UNLIMITED, Pace
@@ -77,7 +78,6 @@ logger = logging.getLogger(__name__)
 WRITEBACK_WINDOW = 64 << 20
 """Buffered copies only: bytes written between two writeback kicks during stage."""
 
-_ALIGN = 4096  # O_DIRECT offset/length alignment that every common block device accepts
 _DIRECT_MIN = 1 << 20  # below this, the page cache costs nothing worth avoiding
 
 
@@ -99,11 +99,11 @@ class _FileSink:
         self._kicked = self._dropped = 0
 
     def write(self, data: memoryview, offset: int) -> None:
-        if self.direct and len(data) % _ALIGN:
+        if self.direct and len(data) % DIRECT_ALIGN:
             # A short read (normally the last one) leaves an unaligned length, and O_DIRECT takes
             # aligned lengths only: the rest goes through the page cache. This write is `alone`: no
             # other write of the pass runs under the flag change.
-            fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            set_direct(self.fd, False)
             self.direct = False
         try:
             pwrite_all(self.fd, data, offset)
@@ -125,7 +125,7 @@ class _FileSink:
             self._dropped, self._kicked = self._kicked, end
 
     def alone(self, n: int) -> bool:
-        return self.direct and n % _ALIGN != 0
+        return self.direct and n % DIRECT_ALIGN != 0
 
 
 @dataclass
@@ -161,8 +161,8 @@ class LocalStore:
         """
         if not root.is_absolute():
             raise ValueError(f"root must be absolute, got {root}")
-        if chunk_size <= 0 or chunk_size % _ALIGN:
-            raise ValueError(f"chunk_size must be a positive multiple of {_ALIGN}, got {chunk_size}")
+        if chunk_size <= 0 or chunk_size % DIRECT_ALIGN:
+            raise ValueError(f"chunk_size must be a positive multiple of {DIRECT_ALIGN}, got {chunk_size}")
         self.root = root
         self.url = url if url is not None else root.as_uri()
         self._chunk_size = chunk_size
