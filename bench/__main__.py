@@ -92,6 +92,7 @@ def _table(results: list[FigureResult]) -> str:
             parts = side.to_json()["parts_median_s"]
             if parts:
                 lines.append("    median parts: " + ", ".join(f"{k} {v:.3f} s" for k, v in parts.items()))
+        lines.extend(f"  {r.key} note: {note}" for note in r.notes)
     return "\n".join(lines)
 
 

@@ -2,8 +2,9 @@
 
 Baseline: `cp src dst && sync dst`, drop dst from the page cache (posix_fadvise DONTNEED, as our
 verify does), then `b3sum src dst` — copy, make durable, and prove the copy equals the source.
-Ours: `LocalStore.stage` (one pass: hash + copy), `commit` (fsync, rename, fsync dirs), `verify`
-(re-read from the device with O_DIRECT, compare with the claim digest).
+Ours: `LocalStore.stage` (one pass: hash + copy, written back behind the writer), `commit` (fsync,
+rename, fsync dirs), `verify` (drop, re-read from the device through the page cache, shown to have
+come from storage, and compare with the claim digest).
 
 Both sides run at the priority of the sidecar's workers (nice 10, best-effort I/O level 7): ours in
 a thread lowered as the sidecar's are, the baseline's commands under `nice`/`ionice`; on a shared,

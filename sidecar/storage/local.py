@@ -4,14 +4,20 @@ This module owns the copy, commit and proof of one artifact on a POSIX filesyste
 
 - stage: ONE read pass over the source (`copier.single_pass`, shared with other backends) into
   the temp file `<root>/.boxwarden-tmp/<uuid>`, whose path is the staged copy's handle. Copies of 1 MiB
-  and more are allocated whole up front (fallocate: their writes then run side by side), and
-  written with O_DIRECT: no page-cache copy to make, nothing left for fsync to flush,
-  and the trainer keeps its page cache. Where O_DIRECT is refused, written ranges are pushed to
-  the device early instead (POSIX_FADV_DONTNEED starts writeback of dirty pages).
+  and more are allocated whole up front (fallocate: a store too small fails before the source is
+  read). They are written through the page cache and pushed out behind the writer
+  (`pagecache.write_out`), so the copy leaves memory as it is written and the kernel writes it
+  back in large folios: requests of up to the device's maximum, where O_DIRECT from page-backed
+  buffers is cut into ~1 MiB ones (`direct_io=True` writes with O_DIRECT all the same).
 - commit: fsync the temp, rename it into place, fsync every directory the rename touched.
-- verify: re-read the copy from the device and hash it: O_DIRECT reads (`fsio.hash_direct`), or
-  where the filesystem refuses them, reads after the copy was dropped from the page cache; a
-  verification that reads cached pages proves nothing about the disk.
+- verify: re-read the copy from the device and hash it. The copy is flushed and dropped from the
+  page cache, then read in order through it; that counts only where the kernel shows no page of
+  it was cached and this thread fetched every byte from storage (`pagecache`). Otherwise, or with
+  `direct_io`, O_DIRECT reads (`fsio.hash_direct`); where those are refused, reads after the drop.
+  A verification that reads cached pages proves nothing about the disk.
+
+  Measured on this VM's disk, 1 GiB, against `cp && sync` then `b3sum` of both ends: 1.21 s
+  against 1.71 s; with O_DIRECT writes and reads, 1.60–1.75 s against the same.
 
 Stage and verify keep to the sidecar's push rate (`pace.py`), given to the store.
 
@@ -63,6 +69,7 @@ from sidecar.storage.fsio import (
     storage_error,
 )
 from sidecar.storage.pace import UNLIMITED, Pace
+from sidecar.storage.pagecache import resident_pages, thread_read_bytes, write_out
 from sidecar.storage.tree import (
     DIR_FLAGS,
     open_final,
@@ -75,8 +82,9 @@ from sidecar.storage.tree import (
 
 logger = logging.getLogger(__name__)
 
-WRITEBACK_WINDOW = 64 << 20
-"""Buffered copies only: bytes written between two writeback kicks during stage."""
+WRITE_BEHIND = 16 << 20
+"""Copies through the page cache: writeback starts every WRITE_BEHIND bytes, and stage waits for
+the bytes WRITE_BEHIND behind the last written to reach the device (then drops them)."""
 
 _DIRECT_MIN = 1 << 20  # below this, the page cache costs nothing worth avoiding
 
@@ -118,11 +126,24 @@ class _FileSink:
         return self._ahead is not None and not self._recording and self._ahead.matches(data, offset)
 
     def written(self, end: int) -> None:
-        if not self.direct and end - self._kicked >= WRITEBACK_WINDOW:
-            # Start writeback of what is written and drop what went out last time, so that fsync
-            # has little left to do and the page cache stays the trainer's.
+        if self.direct or end - self._kicked < WRITE_BEHIND:
+            return
+        # Start writeback of what was just written; wait for what is WRITE_BEHIND further back to
+        # reach the device and drop it. The copy leaves memory as it is written (fsync has little
+        # left to do, the page cache stays the trainer's), and the kernel writes it back in
+        # large folios: requests of up to max_sectors_kb, where an O_DIRECT write from a
+        # page-backed buffer is cut into ~1 MiB ones.
+        if not write_out(self.fd, self._kicked, end - self._kicked, wait=False):
+            # No sync_file_range: DONTNEED starts writeback of dirty pages and drops clean ones.
             os.posix_fadvise(self.fd, self._dropped, end - self._dropped, os.POSIX_FADV_DONTNEED)
             self._dropped, self._kicked = self._kicked, end
+            return
+        self._kicked = end
+        settled = end - WRITE_BEHIND
+        if settled > self._dropped:
+            write_out(self.fd, self._dropped, settled - self._dropped, wait=True)
+            os.posix_fadvise(self.fd, self._dropped, settled - self._dropped, os.POSIX_FADV_DONTNEED)
+            self._dropped = settled
 
     def alone(self, n: int) -> bool:
         return self.direct and n % DIRECT_ALIGN != 0
@@ -147,17 +168,17 @@ class LocalStore:
         *,
         url: str | None = None,
         chunk_size: int = hashing.STAGE_CHUNK,
-        direct_io: bool = True,
+        direct_io: bool = False,
         pace: Pace = UNLIMITED,
     ) -> None:
         """`root` must be an absolute path to an existing directory (see `from_url`).
 
         `chunk_size` is the read/write size of stage's single pass (a multiple of 4096); tests pass
-        a small one to get several `progress` calls out of a small file. `direct_io` writes copies
-        of 1 MiB and more with O_DIRECT: they bypass the page cache, so the trainer keeps its cache,
-        commit's fsync has no data left to flush, and nothing stale can be re-read by verify; and
-        verify re-reads with O_DIRECT (`fsio.hash_direct`). Each turns itself off on filesystems
-        that refuse O_DIRECT. `pace`: the byte rate stage and verify keep to (`storage.pace`).
+        a small one to get several `progress` calls out of a small file. `direct_io`: write copies
+        of 1 MiB and more with O_DIRECT, and re-read them that way, instead of through the page
+        cache (see the module's docstring: the page cache way was the faster one on this VM's disk).
+        It turns itself off on filesystems that refuse O_DIRECT. `pace`: the byte rate stage and
+        verify keep to (`storage.pace`).
         """
         if not root.is_absolute():
             raise ValueError(f"root must be absolute, got {root}")
@@ -167,7 +188,7 @@ class LocalStore:
         self.url = url if url is not None else root.as_uri()
         self._chunk_size = chunk_size
         self._direct_io = direct_io
-        self._direct_read = direct_io
+        self._direct_read = True
         self._pace = pace
         self._tmp_dir = root / TMP_DIRNAME
         # Writes of every concurrent stage share these threads; each stage has at most BUFFERS
@@ -506,7 +527,7 @@ class LocalStore:
             # dirtied it since, flushing first is what makes the re-read come from the device.
             os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            actual = self._hash_from_device(fd)
+            actual = self._hash_from_device(fd, path)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as exc:
             raise storage_error("re-reading durable copy", path, exc) from exc
@@ -520,9 +541,29 @@ class LocalStore:
         self._sync_dirs(split_rel(rel)[:-1], path)
         return REREAD
 
-    def _hash_from_device(self, fd: int) -> str:
-        """The copy's digest as the device gives it: O_DIRECT reads, or where the filesystem
-        refuses them, reads of the (just dropped) page cache."""
+    def _hash_from_device(self, fd: int, path: Path) -> str:
+        """The copy's digest as the device gives it (the page cache holds no page of it: verify
+        flushed and dropped it). Read through the page cache where that is shown to have fetched
+        every byte from storage (`pagecache`); else with O_DIRECT; else, where the filesystem
+        refuses O_DIRECT, through the just-dropped page cache, unchecked."""
+        if not self._direct_io:
+            size = os.fstat(fd).st_size
+            cached = resident_pages(fd, size)
+            before = thread_read_bytes() if cached == 0 else None
+            if before is not None:
+                digest = hash_by_read(fd, self._pace)
+                fetched = (thread_read_bytes() or 0) - before
+                if fetched >= size:
+                    return digest
+                why = f"{fetched} of its {size} bytes came from storage"
+            elif cached:
+                why = f"{cached} of its pages stayed in the page cache"
+            else:
+                why = "the kernel does not tell what was cached or read"
+            # Not shown to be the device's bytes (another reader, a mapping, no accounting): read
+            # them again, directly.
+            logger.info("re-read of %s not shown to come from storage (%s); again with O_DIRECT", path, why)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if self._direct_read:
             try:
                 return hash_direct(fd, self._read_pool, self._pace)

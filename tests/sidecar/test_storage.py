@@ -618,7 +618,7 @@ def test_verify_falls_back_to_the_page_cache_where_o_direct_reads_are_refused(
     keeps doing so; the fd it fell back on has O_DIRECT cleared (its reads would fail too)."""
     root = tmp_path / "store"
     root.mkdir()
-    store = LocalStore(root)
+    store = LocalStore(root, direct_io=True)  # verify re-reads with O_DIRECT from the start
     src = tmp_path / "f.bin"
     src.write_bytes(os.urandom(3 << 20))
     real_preadv = os.preadv
