@@ -28,8 +28,7 @@ device gets big requests (O_DIRECT writes of 2–32 MiB measured alike), small e
 buffers of a copy stay cheap."""
 
 VERIFY_CHUNK = 16 << 20
-"""Read size of a cold re-read (storage's verify also asks the kernel for the bytes beyond it, with
-POSIX_FADV_WILLNEED, so the device stays busy while this chunk is hashed)."""
+"""Read size of `hash_file_read` (a cold read of a file on the box)."""
 
 MMAP_THRESHOLD = 4 << 20
 """Below this a plain read into one buffer is as fast as a mapping hashed on all cores (measured

@@ -69,7 +69,7 @@ from sidecar.storage.fsio import (
     storage_error,
 )
 from sidecar.storage.pace import UNLIMITED, Pace
-from sidecar.storage.pagecache import resident_pages, thread_read_bytes, write_out
+from sidecar.storage.pagecache import provable_fs, resident_pages, thread_read_bytes, write_out
 from sidecar.storage.tree import (
     DIR_FLAGS,
     open_final,
@@ -189,6 +189,7 @@ class LocalStore:
         self._chunk_size = chunk_size
         self._direct_io = direct_io
         self._direct_read = True
+        self._cache_proof = True  # off once the store's filesystem or kernel cannot show it
         self._pace = pace
         self._tmp_dir = root / TMP_DIRNAME
         # Writes of every concurrent stage share these threads; each stage has at most BUFFERS
@@ -542,26 +543,15 @@ class LocalStore:
         return REREAD
 
     def _hash_from_device(self, fd: int, path: Path) -> str:
-        """The copy's digest as the device gives it (the page cache holds no page of it: verify
-        flushed and dropped it). Read through the page cache where that is shown to have fetched
-        every byte from storage (`pagecache`); else with O_DIRECT; else, where the filesystem
-        refuses O_DIRECT, through the just-dropped page cache, unchecked."""
-        if not self._direct_io:
-            size = os.fstat(fd).st_size
-            cached = resident_pages(fd, size)
-            before = thread_read_bytes() if cached == 0 else None
-            if before is not None:
-                digest = hash_by_read(fd, self._pace)
-                fetched = (thread_read_bytes() or 0) - before
-                if fetched >= size:
-                    return digest
-                why = f"{fetched} of its {size} bytes came from storage"
-            elif cached:
-                why = f"{cached} of its pages stayed in the page cache"
-            else:
-                why = "the kernel does not tell what was cached or read"
-            # Not shown to be the device's bytes (another reader, a mapping, no accounting): read
-            # them again, directly.
+        """The copy's digest as the device gives it (verify flushed and dropped it from the page
+        cache). Read through the page cache where that is shown to have fetched every byte from
+        storage (`_hash_through_cache`); else with O_DIRECT; else, where the filesystem refuses
+        O_DIRECT, through the just-dropped page cache, unchecked (the only way left)."""
+        unproven = None
+        if not self._direct_io and self._cache_proof:
+            unproven, why = self._hash_through_cache(fd)
+            if unproven is not None and not why:
+                return unproven
             logger.info("re-read of %s not shown to come from storage (%s); again with O_DIRECT", path, why)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if self._direct_read:
@@ -574,7 +564,42 @@ class LocalStore:
                     exc,
                 )
                 self._direct_read = False
-        return hash_by_read(fd, self._pace)
+        return unproven if unproven is not None else hash_by_read(fd, self._pace)
+
+    def _hash_through_cache(self, fd: int) -> tuple[str | None, str]:
+        """(digest, "") when a read through the page cache fetched every byte from the device: a
+        filesystem where that can be told (`pagecache.provable_fs`), no page of the copy cached
+        when the read began, every byte charged to this thread as read from storage, and the copy
+        unchanged (size, mtime, ctime) from before to after. Else (digest or None, why not)."""
+        fs = provable_fs(fd)
+        if fs is None:
+            self._cache_proof = False  # the store's filesystem: the same for every copy
+            return None, "its filesystem cannot show where a read's bytes came from"
+        before = os.fstat(fd)
+        cached = resident_pages(fd, before.st_size)
+        if cached != 0:
+            return (
+                None,
+                "the kernel does not say what is cached"
+                if cached is None
+                else f"{cached} pages stayed cached",
+            )
+        start = thread_read_bytes()
+        if start is None:
+            self._cache_proof = False
+            return None, "this kernel keeps no per-thread I/O accounting"
+        digest = hash_by_read(fd, self._pace)
+        fetched = (thread_read_bytes() or 0) - start
+        after = os.fstat(fd)
+        if (after.st_size, after.st_mtime_ns, after.st_ctime_ns) != (
+            before.st_size,
+            before.st_mtime_ns,
+            before.st_ctime_ns,
+        ):
+            return digest, "the copy changed while it was read"
+        if fetched < before.st_size:
+            return digest, f"{fetched} of its {before.st_size} bytes came from storage ({fs})"
+        return digest, ""
 
     def _sync_dirs(self, parts: tuple[str, ...], path: Path) -> None:
         try:

@@ -171,3 +171,84 @@ def test_stage_writes_behind_and_keeps_little_of_the_copy_in_memory(
         assert resident is not None and resident * PAGE <= 2 * WRITE_BEHIND + 3 * (8 << 20)
     finally:
         store.discard(staged)
+
+
+def test_a_cached_page_alone_sends_the_verify_to_o_direct(
+    store: LocalStore, tmp_path: Path, direct_reads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Even where the read accounting would say every byte was fetched (it counts bytes, not
+    pages), a page cached before the read means the re-read is not proof."""
+    digest = pushed(store, tmp_path)
+    counter = iter(range(0, 1 << 62, 1 << 40))
+    monkeypatch.setattr(local, "thread_read_bytes", lambda: next(counter))  # always "all fetched"
+    with open(store.root / "ckpt.bin", "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        assert m[PAGE] is not None
+        assert store.verify("ckpt.bin", digest) == "reread"
+    assert len(direct_reads) == 1
+
+
+def test_the_unproven_digest_is_never_the_answer_where_o_direct_can_read(
+    store: LocalStore, tmp_path: Path, direct_reads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digest = pushed(store, tmp_path)
+    monkeypatch.setattr(local, "thread_read_bytes", lambda: 0)  # nothing ever "fetched"
+    monkeypatch.setattr(local, "hash_by_read", lambda fd, pace: "0" * 64)  # and a wrong digest
+    assert store.verify("ckpt.bin", digest) == "reread"  # O_DIRECT's digest decided
+    assert len(direct_reads) == 1
+
+
+def test_a_proven_reread_needs_no_o_direct_read(
+    store: LocalStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digest = pushed(store, tmp_path)
+
+    def refused(fd: int, pool: object, pace: object) -> str:
+        raise AssertionError("O_DIRECT re-read of a proven copy")
+
+    monkeypatch.setattr(local, "hash_direct", refused)
+    assert store.verify("ckpt.bin", digest) == "reread"
+
+
+def test_a_copy_written_during_the_reread_is_read_again_with_o_direct(
+    store: LocalStore, tmp_path: Path, direct_reads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Someone writes the copy while the verify reads it (cached bytes that never reached the
+    device could then be hashed): the size or times moved, so the read is not proof."""
+    digest = pushed(store, tmp_path)
+    real = local.hash_by_read
+
+    def meddling(fd: int, pace: object) -> str:
+        out = real(fd, pace)  # type: ignore[arg-type]
+        with open(store.root / "ckpt.bin", "r+b") as f:  # the same bytes, written again
+            head = f.read(PAGE)
+            f.seek(0)
+            f.write(head)
+        return out
+
+    monkeypatch.setattr(local, "hash_by_read", meddling)
+    assert store.verify("ckpt.bin", digest) == "reread"
+    assert len(direct_reads) == 1
+
+
+def test_a_filesystem_that_cannot_show_where_reads_come_from_is_always_read_with_o_direct(
+    store: LocalStore, tmp_path: Path, direct_reads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    digest = pushed(store, tmp_path)
+    asked: list[int] = []
+    monkeypatch.setattr(local, "provable_fs", lambda fd: asked.append(fd))  # None: ZFS, NFS, FUSE...
+    assert store.verify("ckpt.bin", digest) == "reread"
+    assert store.verify("ckpt.bin", digest) == "reread"
+    assert len(direct_reads) == 2 and len(asked) == 1  # learnt once for the store
+
+
+def test_provable_fs_names_this_disk_and_refuses_tmpfs(tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        assert pagecache.provable_fs(fd) in ("ext2/3/4", "xfs", "btrfs")
+    finally:
+        os.close(fd)
+    fd = os.open("/dev/shm", os.O_RDONLY)
+    try:
+        assert pagecache.provable_fs(fd) is None
+    finally:
+        os.close(fd)
