@@ -4,10 +4,12 @@ workers, and the result record that ends up in results.json."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -288,3 +290,42 @@ def machine_info(work_dir: Path) -> dict[str, Any]:
         "work_dir_fs": fs_type(work_dir),
         "loadavg_at_start": os.getloadavg(),
     }
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def proc_rss_bytes(pid: int) -> int:
+    """The process's resident set size now (VmRSS)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def stop_pid(pid: int | None) -> None:
+    """SIGTERM the process we started, wait up to 30 s for it to go, then SIGKILL it."""
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    logger.warning("process %d ignored SIGTERM for 30 s; killing it", pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def budget(label: str, seconds: float) -> Side:
+    """A "baseline" side that is a budget: the figure's ratio is then the share of it used."""
+    return Side(label, [Timing(seconds)])

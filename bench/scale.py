@@ -20,12 +20,10 @@ Run only this figure: `python -m bench scale` (or `--only scale`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +37,17 @@ import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
-from bench.common import Context, FigureResult, Side, Timing, clock
+from bench.common import (
+    Context,
+    FigureResult,
+    Side,
+    Timing,
+    budget,
+    clock,
+    proc_cpu_s,
+    proc_rss_bytes,
+    stop_pid,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -223,41 +231,6 @@ class _Prober:
             self._stop.wait(0.05)
 
 
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _stop(pid: int | None) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    logger.warning("sidecar %d ignored SIGTERM for 30 s; killing it", pid)
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
-
-
-def _budget(label: str, seconds: float) -> Side:
-    return Side(label, [Timing(seconds)])
-
-
 def run(ctx: Context) -> list[FigureResult]:
     n = _n_files()
     idle_s = float(os.environ.get("BOXWARDEN_BENCH_SCALE_IDLE_S", "10"))
@@ -305,10 +278,10 @@ def run(ctx: Context) -> list[FigureResult]:
 
         # 3. Idle: nothing is written; what does the sidecar cost?
         time.sleep(2.0)  # let the last notifications drain
-        cpu0, w0 = _cpu_s(pid), clock()
+        cpu0, w0 = proc_cpu_s(pid), clock()
         time.sleep(idle_s)
-        idle_cpu, idle_wall = _cpu_s(pid) - cpu0, clock() - w0
-        rss = _rss_bytes(pid)
+        idle_cpu, idle_wall = proc_cpu_s(pid) - cpu0, clock() - w0
+        rss = proc_rss_bytes(pid)
         print(
             f"  idle: {100 * idle_cpu / idle_wall:.2f} % of a core over {idle_wall:.1f} s, "
             f"RSS {rss / (1 << 20):.0f} MiB",
@@ -338,7 +311,7 @@ def run(ctx: Context) -> list[FigureResult]:
             down.runs.append(Timing(took))
         channel.close()
     finally:
-        _stop(pid if pid is not None else box.sidecar_pid())
+        stop_pid(pid if pid is not None else box.sidecar_pid())
         shutil.rmtree(base, ignore_errors=True)
 
     label = f"{n:,} files"
@@ -365,17 +338,17 @@ def run(ctx: Context) -> list[FigureResult]:
             f"{KEY}-burst",
             f"query latency during a {BURST}-file burst",
             burst_side,
-            _budget("the controller's RPC deadline", RPC_DEADLINE_S),
+            budget("the controller's RPC deadline", RPC_DEADLINE_S),
         ),
-        (f"{KEY}-seal", f"seal {label} → durable", seal_side, _budget("15 min", SEAL_BUDGET_S)),
+        (f"{KEY}-seal", f"seal {label} → durable", seal_side, budget("15 min", SEAL_BUDGET_S)),
         (
             f"{KEY}-idle-cpu",
             f"idle sidecar CPU, {label}",
             idle_side,
-            _budget("1 % of a core", IDLE_BUDGET * idle_wall),
+            budget("1 % of a core", IDLE_BUDGET * idle_wall),
         ),
-        (f"{KEY}-artifacts", f"artifacts --json, {label}", art, _budget("5 s", ARTIFACTS_BUDGET_S)),
-        (f"{KEY}-down-dry-run", f"down --dry-run, {label}", down, _budget("20 s", DOWN_BUDGET_S)),
+        (f"{KEY}-artifacts", f"artifacts --json, {label}", art, budget("5 s", ARTIFACTS_BUDGET_S)),
+        (f"{KEY}-down-dry-run", f"down --dry-run, {label}", down, budget("20 s", DOWN_BUDGET_S)),
     ]
     return [
         FigureResult(key, title, ours, budget, "time", 1.0, total_bytes, notes=notes if i == 0 else [])

@@ -559,6 +559,16 @@ class BoxStatus:
             disk_free=min(watch_free) if watch_free else "",
             cpu_percent=round(self.health.self.cpu_percent, 2),
             rss_bytes=self.health.self.rss_bytes,
+            alerts=[
+                {
+                    "kind": pb.EventKind.Name(a.kind) if a.kind in pb.EventKind.values() else str(a.kind),
+                    "subject": a.subject,
+                    "detail": a.detail,
+                    "since_unix_ns": a.since_unix_ns,
+                }
+                for a in self.health.alerts
+            ],
+            stale_probes=[p.name for p in self.health.probes if p.stale],
         )
         return r
 

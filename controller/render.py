@@ -244,6 +244,24 @@ def status(rows: Sequence[dict[str, object]]) -> None:
     c.print(t)
     for n in notes:
         c.print(n)
+    for r in rows:
+        for line in alert_lines(r):
+            c.print(f"[bold red]{esc(line)}[/]")
+
+
+def alert_lines(r: dict[str, object]) -> list[str]:
+    """One line per active alert of a status row, and one for probes gone stale: under the table,
+    so they survive in scrollback."""
+    box = str(r["box"])
+    out = []
+    alerts = r.get("alerts")
+    for a in alerts if isinstance(alerts, list) else []:
+        if isinstance(a, dict):
+            out.append(f"{box}: {a.get('kind')} {a.get('subject')}: {a.get('detail')}")
+    stale = r.get("stale_probes")
+    if isinstance(stale, list) and stale:
+        out.append(f"{box}: no fresh reading from {', '.join(map(str, stale))} (last good values shown)")
+    return out
 
 
 def fit_widths(columns: Sequence[tuple[int, ...]], room: int) -> list[int]:

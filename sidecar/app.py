@@ -31,11 +31,15 @@ from sidecar.bell import Bell
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.evidence import unsealed
+from sidecar.gpu import GpuProbe, NullGpuProbe, ReplayGpuProbe, open_gpu_probe
 from sidecar.health import HealthHub
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
+from sidecar.memprobe import MemoryProbe
+from sidecar.metrics import MetricsServer
 from sidecar.paths import ArtifactNamer
 from sidecar.priority import lower_this_thread
+from sidecar.probethread import ProbeThread
 from sidecar.release import Releaser
 from sidecar.retention import Retainer
 from sidecar.sealer import Sealer
@@ -48,6 +52,7 @@ from sidecar.watcher import Watcher
 logger = logging.getLogger(__name__)
 
 MAX_MESSAGE = 8 << 20
+GPU_START_S = 15.0
 SHUTDOWN_MARGIN_S = 1.5
 """Of the grace between SIGTERM and SIGKILL, what the drain leaves for the orderly shutdown."""
 
@@ -87,6 +92,24 @@ async def _drain(backlog: Backlog, sealer: Sealer, ledger: Ledger, grace_s: floa
         )
         logger.warning("exiting with %d claims (%d bytes) not durable, %d entries not sealed", left.files,
                        left.bytes, len(left.pending))  # fmt: skip
+
+
+async def _gpu_probe(spec: str) -> GpuProbe:
+    """The GPU probe the config names ("auto", "none", "replay:/path.json"). Starting NVML can
+    hang on a sick driver: past GPU_START_S the sidecar goes on without GPU readings."""
+    if spec.startswith("replay:"):
+        try:
+            return ReplayGpuProbe(spec[len("replay:") :])
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"gpu_probe {spec!r}: {e}") from e
+    prefer = "none" if spec == "none" else "auto"
+    start = ProbeThread("gpu-start", lambda: open_gpu_probe(prefer=prefer), timeout_s=GPU_START_S)
+    started = await start.read()  # on a daemon thread: a hung driver never holds up the exit
+    start.close()
+    if started.value is None:
+        logger.warning("no GPU readings: NVML did not start (%s)", started.error)
+        return NullGpuProbe(f"NVML did not start: {started.error}")
+    return started.value
 
 
 async def supervise(name: str, work: Callable[[], Awaitable[None]]) -> None:
@@ -264,7 +287,19 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         bandwidth=sealer.bandwidth,
         to_abs=namer.to_abs,
         on_space_freed=lambda: backlog.wake("the durable store has more room"),
+        gpu=await _gpu_probe(s.gpu_probe),
+        memory=MemoryProbe(),
+        memory_high_percent=s.memory_high_percent,
+        stall_s=s.stall_s,
+        step_re=s.step_regex or None,
+        loss_re=s.loss_regex or None,
     )
+
+    metrics = None
+    if s.metrics_port:
+        metrics = MetricsServer(lambda: health.latest, box=s.box_name, run_id=s.run_id, port=s.metrics_port)
+        metrics.start()
+        logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", s.metrics_port)
 
     server = grpc.aio.server(
         options=[
@@ -332,6 +367,9 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
+        health.close()
+        if metrics is not None:
+            metrics.close()
         watcher.stop()
         await loop.run_in_executor(None, watcher.join)
         await sealer.close()

@@ -19,6 +19,7 @@ from sidecar.compat import SLOTS
 from sidecar.errors import ConfigError
 from sidecar.keep import NO_RULES, KeepRules, parse_keep
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
+from sidecar.progress import validate_patterns
 from sidecar.storage import local_dir
 from sidecar.storage.pace import DEFAULT_RATE, MIN_RATE
 
@@ -50,6 +51,12 @@ class Settings:
     drain_grace_s: float = 5.0
     ahead_min_bytes: int = 256 << 20
     push_rate: float = DEFAULT_RATE  # bytes/s; 0: no limit
+    memory_high_percent: int = 90
+    stall_s: float = 1800.0
+    step_regex: str = ""  # "": progress.DEFAULT_STEP_RE
+    loss_regex: str = ""
+    gpu_probe: str = "auto"  # "auto" | "none" | "replay:/abs/path.json"
+    metrics_port: int = 0  # 0: no Prometheus endpoint
 
     @property
     def ledger_path(self) -> Path:
@@ -149,6 +156,18 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
             f"{msg.push_rate_bytes_s} bytes/s would take hours per checkpoint: give at least {MIN_RATE}, "
             "0 for the default or a negative number for no limit",
         )
+    for field, step_re, loss_re in (("step_regex", msg.step_regex, ""), ("loss_regex", "", msg.loss_regex)):
+        try:
+            validate_patterns(step_re or None, loss_re or None)
+        except ValueError as e:
+            raise fail(field, str(e)) from None
+    gpu = msg.gpu_probe or "auto"
+    if gpu not in ("auto", "none") and not (gpu.startswith("replay:") and Path(gpu[7:]).is_absolute()):
+        raise fail("gpu_probe", f"{gpu!r} must be auto, none or replay:/absolute/path.json")
+    if msg.metrics_port > 65535:
+        raise fail("metrics_port", f"{msg.metrics_port} is not a TCP port")
+    if msg.memory_high_percent > 100:
+        raise fail("memory_high_percent", f"{msg.memory_high_percent} is over 100")
     return Settings(
         box_name=msg.box_name,
         profile=msg.profile or "local",
@@ -169,6 +188,12 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         drain_grace_s=float(msg.drain_grace_s or 5),
         ahead_min_bytes=msg.ahead_min_bytes or (256 << 20),
         push_rate=DEFAULT_RATE if msg.push_rate_bytes_s == 0 else max(0, msg.push_rate_bytes_s),
+        memory_high_percent=msg.memory_high_percent or 90,
+        stall_s=float(msg.stall_s or 1800),
+        step_regex=msg.step_regex,
+        loss_regex=msg.loss_regex,
+        gpu_probe=gpu,
+        metrics_port=msg.metrics_port,
     )
 
 

@@ -4,7 +4,9 @@ exFAT or vfat disk, or an ext4 casefold dir does to names), on FUSE: `cifuse.py 
 Each name is looked up by its exact spelling first, then case-insensitively; a new name keeps the
 case it was created with; a rename onto a name that exists in another case replaces that file.
 This kernel has no casefold support and no vfat, so this is the real filesystem behaviour the
-durable store's name probe is tested against. Runs in the foreground until unmounted.
+durable store's name probe is tested against. Runs in the foreground until unmounted. With
+CIFUSE_EXACT=1 in its environment, names are looked up as spelled (a plain passthrough); with
+CIFUSE_HANG_STATFS=FILE, statfs hangs while FILE exists (a mount that stopped answering).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 from typing import Any
 
 from fuse import FUSE, FuseOSError, Operations  # type: ignore[import-untyped]
@@ -33,12 +36,13 @@ _STATVFS = (
 class CaseInsensitive(Operations):  # type: ignore[misc]
     def __init__(self, root: str) -> None:
         self.root = os.path.realpath(root)
+        self.exact = os.environ.get("CIFUSE_EXACT") == "1"  # names as they are: a plain passthrough
 
     def _real(self, path: str) -> str:
         here = self.root
         for part in (p for p in path.split("/") if p):
             exact = os.path.join(here, part)
-            if not os.path.lexists(exact) and os.path.isdir(here):
+            if not self.exact and not os.path.lexists(exact) and os.path.isdir(here):
                 folded = part.casefold()
                 exact = next(
                     (os.path.join(here, n) for n in os.listdir(here) if n.casefold() == folded), exact
@@ -60,6 +64,11 @@ class CaseInsensitive(Operations):  # type: ignore[misc]
         return [".", "..", *self._call(os.listdir, self._real(path))]
 
     def statfs(self, path: str) -> dict[str, Any]:
+        # A mount that stops answering (a hung NFS server): while the file CIFUSE_HANG_STATFS names
+        # exists, statfs does not return (the server's only thread waits).
+        hang = os.environ.get("CIFUSE_HANG_STATFS")
+        while hang and os.path.exists(hang):
+            time.sleep(0.05)
         st = self._call(os.statvfs, self._real(path))
         return {k: getattr(st, k) for k in _STATVFS}
 

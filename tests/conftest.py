@@ -374,9 +374,9 @@ def children_of(parent: int, *, zombies: bool = False) -> list[int]:
     return found
 
 
-@pytest.fixture
-def case_insensitive_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on a real case-insensitive filesystem (tests/cifuse.py on FUSE), unmounted after."""
+@contextlib.contextmanager
+def fuse_mount(tmp_path: Path, env: dict[str, str] | None = None) -> Iterator[Path]:
+    """tests/cifuse.py mounted on a fresh directory under `tmp_path`, unmounted after."""
     if not os.path.exists("/dev/fuse"):
         pytest.skip("no /dev/fuse on this machine: a FUSE filesystem cannot be mounted")
     backing, mnt = tmp_path / "ci-backing", tmp_path / "ci-mount"
@@ -388,6 +388,7 @@ def case_insensitive_dir(tmp_path: Path) -> Iterator[Path]:
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
     log.close()
     try:
@@ -404,3 +405,10 @@ def case_insensitive_dir(tmp_path: Path) -> Iterator[Path]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def case_insensitive_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a real case-insensitive filesystem (tests/cifuse.py on FUSE), unmounted after."""
+    with fuse_mount(tmp_path) as mnt:
+        yield mnt

@@ -24,7 +24,7 @@ import sidecar
 
 REPO = Path(__file__).resolve().parents[1]
 OTHER = {"sidecar": "controller", "controller": "sidecar"}
-OPTIONAL_NATIVE = ("torch", "pynvml", "safetensors", "boto3")
+OPTIONAL_NATIVE = ("torch", "pynvml", "safetensors", "boto3", "prometheus_client")
 
 
 def pyproject() -> dict[str, Any]:

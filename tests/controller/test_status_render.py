@@ -238,3 +238,26 @@ def test_drain_progress_on_a_terminal_is_a_bar_that_leaves_nothing_behind(
     assert "\x1b[?25l" in err  # a live display (the cursor hidden while it runs) ...
     assert err.endswith("\x1b[2K")  # ... erased at the end: the report follows on a clean line
     assert render.at_risk_line("b1", a) + "\n" not in err  # and no plain line
+
+
+def test_active_alerts_and_stale_probes_are_printed_under_the_table(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    alerts = [
+        {
+            "kind": "LOSS_NONFINITE",
+            "subject": "j1",
+            "detail": "non-finite loss: step 2 loss=nan",
+            "since_unix_ns": 1,
+        },
+        {"kind": "DISK_LOW", "subject": "/w", "detail": "[red]/w (watch) is low\x1b[2J", "since_unix_ns": 2},
+    ]
+    render.status([row(alerts=alerts, stale_probes=["host"]), row("quiet")])
+    lines = printed(capsys)
+    text = "\n".join(lines)
+    assert "exp1: LOSS_NONFINITE j1: non-finite loss: step 2 loss=nan" in text
+    assert "exp1: DISK_LOW /w: [red]/w (watch) is low" in text  # the box's text, shown, not obeyed
+    assert "\x1b[2J" not in text
+    assert "exp1: no fresh reading from host" in text
+    assert not [line for line in lines if line.startswith("quiet:")]

@@ -117,6 +117,31 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A newer copy took a durable path: the older copy now lies in the store's attic (detail: where)."""
     DURABLE_MISSING: _EventKind.ValueType  # 16
     """The durable copy of a claim that left the box was no longer at its path."""
+    MEMORY_HIGH: _EventKind.ValueType  # 17
+    """Alerts (health): each fires once when its condition starts (path or job_id, and detail, say
+    what) and ALERT_CLEARED says when it ended. HealthSnapshot.alerts lists those active now.
+    Memory use of the box's cgroup (or the host, where no limit is set) is over the threshold.
+    """
+    OOM_KILL: _EventKind.ValueType  # 18
+    """The kernel's OOM killer killed a process in the box's memory cgroup (detail: how many, and the
+    jobs that died of SIGKILL with it).
+    """
+    GPU_XID: _EventKind.ValueType  # 19
+    """An Xid error on a GPU (detail: GPU index, uuid, Xid number), from NVML's events."""
+    GPU_THROTTLE: _EventKind.ValueType  # 20
+    """A GPU is slowed by its power cap or by heat (detail: which, the reasons NVML gives)."""
+    ECC_ERRORS: _EventKind.ValueType  # 21
+    """A GPU's uncorrected ECC error count (or its retired pages / failed row remaps) grew."""
+    VRAM_ZOMBIE: _EventKind.ValueType  # 22
+    """A process outside every supervised job holds GPU memory (detail: pid, bytes, GPU)."""
+    JOB_RESTARTED: _EventKind.ValueType  # 23
+    """A job was started again by its restart policy (detail: attempt, resume-from checkpoint)."""
+    JOB_STALLED: _EventKind.ValueType  # 24
+    """A running job wrote no log line and no checkpoint for the stall threshold."""
+    LOSS_NONFINITE: _EventKind.ValueType  # 25
+    """A job's log reported a non-finite loss (detail: the line)."""
+    ALERT_CLEARED: _EventKind.ValueType  # 26
+    """An alert's condition ended (detail: "<KIND>: <what>")."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -158,6 +183,31 @@ DURABLE_MOVED_ASIDE: EventKind.ValueType  # 15
 """A newer copy took a durable path: the older copy now lies in the store's attic (detail: where)."""
 DURABLE_MISSING: EventKind.ValueType  # 16
 """The durable copy of a claim that left the box was no longer at its path."""
+MEMORY_HIGH: EventKind.ValueType  # 17
+"""Alerts (health): each fires once when its condition starts (path or job_id, and detail, say
+what) and ALERT_CLEARED says when it ended. HealthSnapshot.alerts lists those active now.
+Memory use of the box's cgroup (or the host, where no limit is set) is over the threshold.
+"""
+OOM_KILL: EventKind.ValueType  # 18
+"""The kernel's OOM killer killed a process in the box's memory cgroup (detail: how many, and the
+jobs that died of SIGKILL with it).
+"""
+GPU_XID: EventKind.ValueType  # 19
+"""An Xid error on a GPU (detail: GPU index, uuid, Xid number), from NVML's events."""
+GPU_THROTTLE: EventKind.ValueType  # 20
+"""A GPU is slowed by its power cap or by heat (detail: which, the reasons NVML gives)."""
+ECC_ERRORS: EventKind.ValueType  # 21
+"""A GPU's uncorrected ECC error count (or its retired pages / failed row remaps) grew."""
+VRAM_ZOMBIE: EventKind.ValueType  # 22
+"""A process outside every supervised job holds GPU memory (detail: pid, bytes, GPU)."""
+JOB_RESTARTED: EventKind.ValueType  # 23
+"""A job was started again by its restart policy (detail: attempt, resume-from checkpoint)."""
+JOB_STALLED: EventKind.ValueType  # 24
+"""A running job wrote no log line and no checkpoint for the stall threshold."""
+LOSS_NONFINITE: EventKind.ValueType  # 25
+"""A job's log reported a non-finite loss (detail: the line)."""
+ALERT_CLEARED: EventKind.ValueType  # 26
+"""An alert's condition ended (detail: "<KIND>: <what>")."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _JobState:
@@ -215,6 +265,12 @@ class SidecarConfig(_message.Message):
     DRAIN_GRACE_S_FIELD_NUMBER: _builtins.int
     AHEAD_MIN_BYTES_FIELD_NUMBER: _builtins.int
     PUSH_RATE_BYTES_S_FIELD_NUMBER: _builtins.int
+    MEMORY_HIGH_PERCENT_FIELD_NUMBER: _builtins.int
+    STALL_S_FIELD_NUMBER: _builtins.int
+    STEP_REGEX_FIELD_NUMBER: _builtins.int
+    LOSS_REGEX_FIELD_NUMBER: _builtins.int
+    GPU_PROBE_FIELD_NUMBER: _builtins.int
+    METRICS_PORT_FIELD_NUMBER: _builtins.int
     box_name: _builtins.str
     """The controller's name for this box."""
     profile: _builtins.str
@@ -270,6 +326,27 @@ class SidecarConfig(_message.Message):
     """Bytes per second that pushes and their re-reads keep to, box-wide, so the trainer keeps its
     caches and memory bandwidth (a drain lifts it). 0 means the default, 400 MB/s; negative: no limit.
     """
+    memory_high_percent: _builtins.int
+    """MEMORY_HIGH when the box's memory cgroup (or the host, without a limit) is fuller than this,
+    in percent. 0 means the default, 90.
+    """
+    stall_s: _builtins.int
+    """JOB_STALLED when a running job wrote no log line and no checkpoint for this many seconds.
+    0 means the default, 1800.
+    """
+    step_regex: _builtins.str
+    """Regular expressions that find a job's step and loss in its log lines, with a named group
+    (?P<step>...) / (?P<loss>...). Empty: defaults for HF Trainer, Lightning and print loops.
+    """
+    loss_regex: _builtins.str
+    gpu_probe: _builtins.str
+    """The GPU probe: "" or "auto" (NVML where a driver answers, else none), "none", or
+    "replay:/abs/path.json" (recorded NVML readings played back: for tests and demos).
+    """
+    metrics_port: _builtins.int
+    """Serve the health snapshot as Prometheus metrics on 127.0.0.1:<port>/metrics (needs the
+    `metrics` extra: prometheus-client). 0: no endpoint.
+    """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Directories to watch, recursively. Absolute paths."""
@@ -311,10 +388,16 @@ class SidecarConfig(_message.Message):
         drain_grace_s: _builtins.int = ...,
         ahead_min_bytes: _builtins.int = ...,
         push_rate_bytes_s: _builtins.int = ...,
+        memory_high_percent: _builtins.int = ...,
+        stall_s: _builtins.int = ...,
+        step_regex: _builtins.str = ...,
+        loss_regex: _builtins.str = ...,
+        gpu_probe: _builtins.str = ...,
+        metrics_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_min_bytes", b"ahead_min_bytes", "box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "profile", b"profile", "push_rate_bytes_s", b"push_rate_bytes_s", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ahead_min_bytes", b"ahead_min_bytes", "box_name", b"box_name", "drain_grace_s", b"drain_grace_s", "durable_credentials_file", b"durable_credentials_file", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "gpu_probe", b"gpu_probe", "hash_workers", b"hash_workers", "health_interval_ms", b"health_interval_ms", "keep", b"keep", "loss_regex", b"loss_regex", "memory_high_percent", b"memory_high_percent", "metrics_port", b"metrics_port", "profile", b"profile", "push_rate_bytes_s", b"push_rate_bytes_s", "rescan_ms", b"rescan_ms", "run_id", b"run_id", "settle_ms", b"settle_ms", "socket_path", b"socket_path", "stall_s", b"stall_s", "state_dir", b"state_dir", "step_regex", b"step_regex", "temp_patterns", b"temp_patterns", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -847,10 +930,19 @@ class HealthSnapshot(_message.Message):
     ARTIFACTS_FIELD_NUMBER: _builtins.int
     SELF_FIELD_NUMBER: _builtins.int
     SEQ_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    GPUS_FIELD_NUMBER: _builtins.int
+    GPU_SOURCE_FIELD_NUMBER: _builtins.int
+    GPU_ERROR_FIELD_NUMBER: _builtins.int
+    ALERTS_FIELD_NUMBER: _builtins.int
+    PROBES_FIELD_NUMBER: _builtins.int
     at_unix_ns: _builtins.int
     """Unix time in nanoseconds when the snapshot was taken."""
     seq: _builtins.int
     """The newest journal sequence number."""
+    gpu_source: _builtins.str
+    """Where the GPU readings come from: "nvml", "none", "replay"; gpu_error says why none or partial."""
+    gpu_error: _builtins.str
     @_builtins.property
     def disks(self) -> _containers.RepeatedCompositeFieldContainer[Global___DiskUsage]: ...
     @_builtins.property
@@ -859,6 +951,20 @@ class HealthSnapshot(_message.Message):
     def artifacts(self) -> Global___ArtifactStats: ...
     @_builtins.property
     def self(self) -> Global___SelfStats: ...
+    @_builtins.property
+    def memory(self) -> Global___MemoryStats: ...
+    @_builtins.property
+    def gpus(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuStats]: ...
+    @_builtins.property
+    def alerts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Alert]:
+        """The alerts whose condition holds now."""
+
+    @_builtins.property
+    def probes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbeState]:
+        """Each probe's freshness: a probe that has not answered within its deadline keeps its last good
+        reading, marked stale with its age.
+        """
+
     def __init__(
         self_,  # pyright: ignore[reportSelfClsParameterName]
         *,
@@ -868,14 +974,345 @@ class HealthSnapshot(_message.Message):
         artifacts: Global___ArtifactStats | None = ...,
         self: Global___SelfStats | None = ...,
         seq: _builtins.int = ...,
+        memory: Global___MemoryStats | None = ...,
+        gpus: _abc.Iterable[Global___GpuStats] | None = ...,
+        gpu_source: _builtins.str = ...,
+        gpu_error: _builtins.str = ...,
+        alerts: _abc.Iterable[Global___Alert] | None = ...,
+        probes: _abc.Iterable[Global___ProbeState] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "self", b"self"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "memory", b"memory", "self", b"self"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "at_unix_ns", b"at_unix_ns", "disks", b"disks", "jobs", b"jobs", "self", b"self", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alerts", b"alerts", "artifacts", b"artifacts", "at_unix_ns", b"at_unix_ns", "disks", b"disks", "gpu_error", b"gpu_error", "gpu_source", b"gpu_source", "gpus", b"gpus", "jobs", b"jobs", "memory", b"memory", "probes", b"probes", "self", b"self", "seq", b"seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HealthSnapshot: _TypeAlias = HealthSnapshot  # noqa: Y015
+
+@_typing.final
+class MemoryStats(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CGROUP_VERSION_FIELD_NUMBER: _builtins.int
+    LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    USAGE_BYTES_FIELD_NUMBER: _builtins.int
+    OOM_KILLS_FIELD_NUMBER: _builtins.int
+    HOST_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    HOST_AVAILABLE_BYTES_FIELD_NUMBER: _builtins.int
+    LOAD1_FIELD_NUMBER: _builtins.int
+    LOAD5_FIELD_NUMBER: _builtins.int
+    LOAD15_FIELD_NUMBER: _builtins.int
+    cgroup_version: _builtins.int
+    """1 or 2: the box's memory cgroup version; 0: none found (limit and usage unknown)."""
+    limit_bytes: _builtins.int
+    """Absent: no limit, or unknown."""
+    usage_bytes: _builtins.int
+    oom_kills: _builtins.int
+    """OOM kills in the cgroup since it was made (absent where the kernel does not count them)."""
+    host_total_bytes: _builtins.int
+    host_available_bytes: _builtins.int
+    load1: _builtins.float
+    load5: _builtins.float
+    load15: _builtins.float
+    def __init__(
+        self,
+        *,
+        cgroup_version: _builtins.int = ...,
+        limit_bytes: _builtins.int | None = ...,
+        usage_bytes: _builtins.int | None = ...,
+        oom_kills: _builtins.int | None = ...,
+        host_total_bytes: _builtins.int = ...,
+        host_available_bytes: _builtins.int = ...,
+        load1: _builtins.float = ...,
+        load5: _builtins.float = ...,
+        load15: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes", "_oom_kills", b"_oom_kills", "_usage_bytes", b"_usage_bytes", "limit_bytes", b"limit_bytes", "oom_kills", b"oom_kills", "usage_bytes", b"usage_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes", "_oom_kills", b"_oom_kills", "_usage_bytes", b"_usage_bytes", "cgroup_version", b"cgroup_version", "host_available_bytes", b"host_available_bytes", "host_total_bytes", b"host_total_bytes", "limit_bytes", b"limit_bytes", "load1", b"load1", "load15", b"load15", "load5", b"load5", "oom_kills", b"oom_kills", "usage_bytes", b"usage_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__limit_bytes: _TypeAlias = _typing.Literal["limit_bytes"]  # noqa: Y015
+    _WhichOneofArgType__limit_bytes: _TypeAlias = _typing.Literal["_limit_bytes", b"_limit_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__oom_kills: _TypeAlias = _typing.Literal["oom_kills"]  # noqa: Y015
+    _WhichOneofArgType__oom_kills: _TypeAlias = _typing.Literal["_oom_kills", b"_oom_kills"]  # noqa: Y015
+    _WhichOneofReturnType__usage_bytes: _TypeAlias = _typing.Literal["usage_bytes"]  # noqa: Y015
+    _WhichOneofArgType__usage_bytes: _TypeAlias = _typing.Literal["_usage_bytes", b"_usage_bytes"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limit_bytes) -> _WhichOneofReturnType__limit_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__oom_kills) -> _WhichOneofReturnType__oom_kills | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__usage_bytes) -> _WhichOneofReturnType__usage_bytes | None: ...
+
+Global___MemoryStats: _TypeAlias = MemoryStats  # noqa: Y015
+
+@_typing.final
+class GpuProcess(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    USED_MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    IN_JOB_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    used_memory_bytes: _builtins.int
+    in_job: _builtins.bool
+    """The process belongs to a supervised job's tree."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        used_memory_bytes: _builtins.int | None = ...,
+        in_job: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_used_memory_bytes", b"_used_memory_bytes", "used_memory_bytes", b"used_memory_bytes"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_used_memory_bytes", b"_used_memory_bytes", "in_job", b"in_job", "pid", b"pid", "used_memory_bytes", b"used_memory_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__used_memory_bytes: _TypeAlias = _typing.Literal["used_memory_bytes"]  # noqa: Y015
+    _WhichOneofArgType__used_memory_bytes: _TypeAlias = _typing.Literal["_used_memory_bytes", b"_used_memory_bytes"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__used_memory_bytes) -> _WhichOneofReturnType__used_memory_bytes | None: ...
+
+Global___GpuProcess: _TypeAlias = GpuProcess  # noqa: Y015
+
+@_typing.final
+class GpuStats(_message.Message):
+    """One GPU. NVML's "not supported" answers are absent fields, never zeros."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    UUID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    UTILIZATION_PERCENT_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_BYTES_FIELD_NUMBER: _builtins.int
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    TEMPERATURE_C_FIELD_NUMBER: _builtins.int
+    POWER_W_FIELD_NUMBER: _builtins.int
+    POWER_LIMIT_W_FIELD_NUMBER: _builtins.int
+    SM_CLOCK_MHZ_FIELD_NUMBER: _builtins.int
+    SM_CLOCK_MAX_MHZ_FIELD_NUMBER: _builtins.int
+    THROTTLE_REASONS_FIELD_NUMBER: _builtins.int
+    ECC_CORRECTED_FIELD_NUMBER: _builtins.int
+    ECC_UNCORRECTED_FIELD_NUMBER: _builtins.int
+    RETIRED_PAGES_FIELD_NUMBER: _builtins.int
+    REMAPPED_ROWS_PENDING_FIELD_NUMBER: _builtins.int
+    REMAPPED_ROWS_FAILED_FIELD_NUMBER: _builtins.int
+    PROCESSES_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    uuid: _builtins.str
+    name: _builtins.str
+    utilization_percent: _builtins.int
+    memory_used_bytes: _builtins.int
+    memory_total_bytes: _builtins.int
+    temperature_c: _builtins.int
+    power_w: _builtins.float
+    power_limit_w: _builtins.float
+    sm_clock_mhz: _builtins.int
+    sm_clock_max_mhz: _builtins.int
+    ecc_corrected: _builtins.int
+    ecc_uncorrected: _builtins.int
+    retired_pages: _builtins.int
+    remapped_rows_pending: _builtins.bool
+    remapped_rows_failed: _builtins.bool
+    @_builtins.property
+    def throttle_reasons(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Active clock throttle reasons ("sw_power_cap", "hw_thermal_slowdown", ...)."""
+
+    @_builtins.property
+    def processes(self) -> _containers.RepeatedCompositeFieldContainer[Global___GpuProcess]: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        uuid: _builtins.str = ...,
+        name: _builtins.str = ...,
+        utilization_percent: _builtins.int | None = ...,
+        memory_used_bytes: _builtins.int | None = ...,
+        memory_total_bytes: _builtins.int | None = ...,
+        temperature_c: _builtins.int | None = ...,
+        power_w: _builtins.float | None = ...,
+        power_limit_w: _builtins.float | None = ...,
+        sm_clock_mhz: _builtins.int | None = ...,
+        sm_clock_max_mhz: _builtins.int | None = ...,
+        throttle_reasons: _abc.Iterable[_builtins.str] | None = ...,
+        ecc_corrected: _builtins.int | None = ...,
+        ecc_uncorrected: _builtins.int | None = ...,
+        retired_pages: _builtins.int | None = ...,
+        remapped_rows_pending: _builtins.bool | None = ...,
+        remapped_rows_failed: _builtins.bool | None = ...,
+        processes: _abc.Iterable[Global___GpuProcess] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_ecc_corrected", b"_ecc_corrected", "_ecc_uncorrected", b"_ecc_uncorrected", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_power_limit_w", b"_power_limit_w", "_power_w", b"_power_w", "_remapped_rows_failed", b"_remapped_rows_failed", "_remapped_rows_pending", b"_remapped_rows_pending", "_retired_pages", b"_retired_pages", "_sm_clock_max_mhz", b"_sm_clock_max_mhz", "_sm_clock_mhz", b"_sm_clock_mhz", "_temperature_c", b"_temperature_c", "_utilization_percent", b"_utilization_percent", "ecc_corrected", b"ecc_corrected", "ecc_uncorrected", b"ecc_uncorrected", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "power_limit_w", b"power_limit_w", "power_w", b"power_w", "remapped_rows_failed", b"remapped_rows_failed", "remapped_rows_pending", b"remapped_rows_pending", "retired_pages", b"retired_pages", "sm_clock_max_mhz", b"sm_clock_max_mhz", "sm_clock_mhz", b"sm_clock_mhz", "temperature_c", b"temperature_c", "utilization_percent", b"utilization_percent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_ecc_corrected", b"_ecc_corrected", "_ecc_uncorrected", b"_ecc_uncorrected", "_memory_total_bytes", b"_memory_total_bytes", "_memory_used_bytes", b"_memory_used_bytes", "_power_limit_w", b"_power_limit_w", "_power_w", b"_power_w", "_remapped_rows_failed", b"_remapped_rows_failed", "_remapped_rows_pending", b"_remapped_rows_pending", "_retired_pages", b"_retired_pages", "_sm_clock_max_mhz", b"_sm_clock_max_mhz", "_sm_clock_mhz", b"_sm_clock_mhz", "_temperature_c", b"_temperature_c", "_utilization_percent", b"_utilization_percent", "ecc_corrected", b"ecc_corrected", "ecc_uncorrected", b"ecc_uncorrected", "index", b"index", "memory_total_bytes", b"memory_total_bytes", "memory_used_bytes", b"memory_used_bytes", "name", b"name", "power_limit_w", b"power_limit_w", "power_w", b"power_w", "processes", b"processes", "remapped_rows_failed", b"remapped_rows_failed", "remapped_rows_pending", b"remapped_rows_pending", "retired_pages", b"retired_pages", "sm_clock_max_mhz", b"sm_clock_max_mhz", "sm_clock_mhz", b"sm_clock_mhz", "temperature_c", b"temperature_c", "throttle_reasons", b"throttle_reasons", "utilization_percent", b"utilization_percent", "uuid", b"uuid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__ecc_corrected: _TypeAlias = _typing.Literal["ecc_corrected"]  # noqa: Y015
+    _WhichOneofArgType__ecc_corrected: _TypeAlias = _typing.Literal["_ecc_corrected", b"_ecc_corrected"]  # noqa: Y015
+    _WhichOneofReturnType__ecc_uncorrected: _TypeAlias = _typing.Literal["ecc_uncorrected"]  # noqa: Y015
+    _WhichOneofArgType__ecc_uncorrected: _TypeAlias = _typing.Literal["_ecc_uncorrected", b"_ecc_uncorrected"]  # noqa: Y015
+    _WhichOneofReturnType__memory_total_bytes: _TypeAlias = _typing.Literal["memory_total_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_total_bytes: _TypeAlias = _typing.Literal["_memory_total_bytes", b"_memory_total_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__memory_used_bytes: _TypeAlias = _typing.Literal["memory_used_bytes"]  # noqa: Y015
+    _WhichOneofArgType__memory_used_bytes: _TypeAlias = _typing.Literal["_memory_used_bytes", b"_memory_used_bytes"]  # noqa: Y015
+    _WhichOneofReturnType__power_limit_w: _TypeAlias = _typing.Literal["power_limit_w"]  # noqa: Y015
+    _WhichOneofArgType__power_limit_w: _TypeAlias = _typing.Literal["_power_limit_w", b"_power_limit_w"]  # noqa: Y015
+    _WhichOneofReturnType__power_w: _TypeAlias = _typing.Literal["power_w"]  # noqa: Y015
+    _WhichOneofArgType__power_w: _TypeAlias = _typing.Literal["_power_w", b"_power_w"]  # noqa: Y015
+    _WhichOneofReturnType__remapped_rows_failed: _TypeAlias = _typing.Literal["remapped_rows_failed"]  # noqa: Y015
+    _WhichOneofArgType__remapped_rows_failed: _TypeAlias = _typing.Literal["_remapped_rows_failed", b"_remapped_rows_failed"]  # noqa: Y015
+    _WhichOneofReturnType__remapped_rows_pending: _TypeAlias = _typing.Literal["remapped_rows_pending"]  # noqa: Y015
+    _WhichOneofArgType__remapped_rows_pending: _TypeAlias = _typing.Literal["_remapped_rows_pending", b"_remapped_rows_pending"]  # noqa: Y015
+    _WhichOneofReturnType__retired_pages: _TypeAlias = _typing.Literal["retired_pages"]  # noqa: Y015
+    _WhichOneofArgType__retired_pages: _TypeAlias = _typing.Literal["_retired_pages", b"_retired_pages"]  # noqa: Y015
+    _WhichOneofReturnType__sm_clock_max_mhz: _TypeAlias = _typing.Literal["sm_clock_max_mhz"]  # noqa: Y015
+    _WhichOneofArgType__sm_clock_max_mhz: _TypeAlias = _typing.Literal["_sm_clock_max_mhz", b"_sm_clock_max_mhz"]  # noqa: Y015
+    _WhichOneofReturnType__sm_clock_mhz: _TypeAlias = _typing.Literal["sm_clock_mhz"]  # noqa: Y015
+    _WhichOneofArgType__sm_clock_mhz: _TypeAlias = _typing.Literal["_sm_clock_mhz", b"_sm_clock_mhz"]  # noqa: Y015
+    _WhichOneofReturnType__temperature_c: _TypeAlias = _typing.Literal["temperature_c"]  # noqa: Y015
+    _WhichOneofArgType__temperature_c: _TypeAlias = _typing.Literal["_temperature_c", b"_temperature_c"]  # noqa: Y015
+    _WhichOneofReturnType__utilization_percent: _TypeAlias = _typing.Literal["utilization_percent"]  # noqa: Y015
+    _WhichOneofArgType__utilization_percent: _TypeAlias = _typing.Literal["_utilization_percent", b"_utilization_percent"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ecc_corrected) -> _WhichOneofReturnType__ecc_corrected | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ecc_uncorrected) -> _WhichOneofReturnType__ecc_uncorrected | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_total_bytes) -> _WhichOneofReturnType__memory_total_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__memory_used_bytes) -> _WhichOneofReturnType__memory_used_bytes | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__power_limit_w) -> _WhichOneofReturnType__power_limit_w | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__power_w) -> _WhichOneofReturnType__power_w | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remapped_rows_failed) -> _WhichOneofReturnType__remapped_rows_failed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__remapped_rows_pending) -> _WhichOneofReturnType__remapped_rows_pending | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__retired_pages) -> _WhichOneofReturnType__retired_pages | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_clock_max_mhz) -> _WhichOneofReturnType__sm_clock_max_mhz | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__sm_clock_mhz) -> _WhichOneofReturnType__sm_clock_mhz | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature_c) -> _WhichOneofReturnType__temperature_c | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__utilization_percent) -> _WhichOneofReturnType__utilization_percent | None: ...
+
+Global___GpuStats: _TypeAlias = GpuStats  # noqa: Y015
+
+@_typing.final
+class Alert(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    SUBJECT_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    SINCE_UNIX_NS_FIELD_NUMBER: _builtins.int
+    kind: Global___EventKind.ValueType
+    subject: _builtins.str
+    """What it is about: a path, a job id, "gpu0", "memory"."""
+    detail: _builtins.str
+    since_unix_ns: _builtins.int
+    def __init__(
+        self,
+        *,
+        kind: Global___EventKind.ValueType = ...,
+        subject: _builtins.str = ...,
+        detail: _builtins.str = ...,
+        since_unix_ns: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "kind", b"kind", "since_unix_ns", b"since_unix_ns", "subject", b"subject"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Alert: _TypeAlias = Alert  # noqa: Y015
+
+@_typing.final
+class ProbeState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    STALE_FIELD_NUMBER: _builtins.int
+    AGE_S_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """"host" (disks, memory), "gpu", "progress"."""
+    stale: _builtins.bool
+    age_s: _builtins.float
+    """Seconds since its last good reading."""
+    error: _builtins.str
+    """Why the last attempt failed or is late; empty if fine."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        stale: _builtins.bool = ...,
+        age_s: _builtins.float = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_s", b"age_s", "error", b"error", "name", b"name", "stale", b"stale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeState: _TypeAlias = ProbeState  # noqa: Y015
+
+@_typing.final
+class JobProgress(_message.Message):
+    """Training progress read from a job's log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    STEPS_PER_S_FIELD_NUMBER: _builtins.int
+    LAST_LINE_AGE_S_FIELD_NUMBER: _builtins.int
+    LINES_FIELD_NUMBER: _builtins.int
+    NONFINITE_FIELD_NUMBER: _builtins.int
+    step: _builtins.int
+    loss: _builtins.float
+    steps_per_s: _builtins.float
+    last_line_age_s: _builtins.float
+    """Seconds since the job's log last got a complete line; absent if it never did."""
+    lines: _builtins.int
+    nonfinite: _builtins.int
+    """Non-finite losses seen so far."""
+    def __init__(
+        self,
+        *,
+        step: _builtins.int | None = ...,
+        loss: _builtins.float | None = ...,
+        steps_per_s: _builtins.float | None = ...,
+        last_line_age_s: _builtins.float | None = ...,
+        lines: _builtins.int = ...,
+        nonfinite: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_line_age_s", b"_last_line_age_s", "_loss", b"_loss", "_step", b"_step", "_steps_per_s", b"_steps_per_s", "last_line_age_s", b"last_line_age_s", "loss", b"loss", "step", b"step", "steps_per_s", b"steps_per_s"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_line_age_s", b"_last_line_age_s", "_loss", b"_loss", "_step", b"_step", "_steps_per_s", b"_steps_per_s", "last_line_age_s", b"last_line_age_s", "lines", b"lines", "loss", b"loss", "nonfinite", b"nonfinite", "step", b"step", "steps_per_s", b"steps_per_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_line_age_s: _TypeAlias = _typing.Literal["last_line_age_s"]  # noqa: Y015
+    _WhichOneofArgType__last_line_age_s: _TypeAlias = _typing.Literal["_last_line_age_s", b"_last_line_age_s"]  # noqa: Y015
+    _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
+    _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    _WhichOneofReturnType__step: _TypeAlias = _typing.Literal["step"]  # noqa: Y015
+    _WhichOneofArgType__step: _TypeAlias = _typing.Literal["_step", b"_step"]  # noqa: Y015
+    _WhichOneofReturnType__steps_per_s: _TypeAlias = _typing.Literal["steps_per_s"]  # noqa: Y015
+    _WhichOneofArgType__steps_per_s: _TypeAlias = _typing.Literal["_steps_per_s", b"_steps_per_s"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_line_age_s) -> _WhichOneofReturnType__last_line_age_s | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__step) -> _WhichOneofReturnType__step | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__steps_per_s) -> _WhichOneofReturnType__steps_per_s | None: ...
+
+Global___JobProgress: _TypeAlias = JobProgress  # noqa: Y015
 
 @_typing.final
 class WatchHealthRequest(_message.Message):
@@ -915,6 +1352,7 @@ class Job(_message.Message):
     LEADER_EXITED_FIELD_NUMBER: _builtins.int
     LIVE_PIDS_FIELD_NUMBER: _builtins.int
     KEEPER_LOST_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     cell: _builtins.str
     """Roster cell this job produces, may be empty."""
@@ -946,6 +1384,10 @@ class Job(_message.Message):
         escapees found by their inherited BOXWARDEN_JOB_ID environment tag).
         """
 
+    @_builtins.property
+    def progress(self) -> Global___JobProgress:
+        """What the job's log says of its training (running jobs the sidecar follows)."""
+
     def __init__(
         self,
         *,
@@ -963,10 +1405,11 @@ class Job(_message.Message):
         leader_exited: _builtins.bool = ...,
         live_pids: _abc.Iterable[_builtins.int] | None = ...,
         keeper_lost: _builtins.bool = ...,
+        progress: Global___JobProgress | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "keeper_lost", b"keeper_lost", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "keeper_lost", b"keeper_lost", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "progress", b"progress", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

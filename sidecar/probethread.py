@@ -1,0 +1,116 @@
+"""ProbeThread: one blocking probe (statvfs of a network mount, NVML, /proc and cgroup files, a
+job's log) run on its own thread, so that nothing the sidecar's event loop serves ever waits on it.
+
+Each `read()` asks for a fresh reading and waits at most `timeout_s` for it. A probe that does not
+answer in time keeps its thread (a call stuck in the kernel cannot be taken back) and is not asked
+again until it returns; meanwhile `read()` answers at once with the last good reading, marked stale
+with its age and why. The thread is a daemon: a probe wedged for good never holds up the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from sidecar.compat import SLOTS
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, **SLOTS)
+class Reading(Generic[T]):
+    value: T | None  # the newest good reading; None before the first
+    stale: bool  # value is not from this read (late, failed, or none yet)
+    age_s: float  # seconds since value was taken (since the probe was made, before the first)
+    error: str  # why this read got no fresh value; "" when it did
+
+
+class ProbeThread(Generic[T]):
+    def __init__(
+        self, name: str, fn: Callable[[], T], *, timeout_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.name = name
+        self._fn = fn
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._requests: queue.SimpleQueue[tuple[asyncio.AbstractEventLoop, asyncio.Future[T]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread: threading.Thread | None = None
+        self._pending: asyncio.Future[T] | None = None
+        self._asked_at = 0.0
+        self._value: T | None = None
+        self._taken_at = clock()
+        self._error = "no reading yet"
+
+    async def read(self) -> Reading[T]:
+        """A fresh reading if the probe answers within timeout_s, else the last good one, stale."""
+        if self._pending is None:
+            loop = asyncio.get_running_loop()
+            self._pending = loop.create_future()
+            self._asked_at = self._clock()
+            self._start()
+            self._requests.put((loop, self._pending))
+        pending = self._pending
+        await asyncio.wait({pending}, timeout=self._timeout_s)
+        fresh = False
+        if pending.done():
+            self._pending = None
+            exc = pending.exception()
+            if exc is None:
+                self._value, self._taken_at, self._error, fresh = pending.result(), self._clock(), "", True
+            else:
+                self._error = f"{type(exc).__name__}: {exc}"
+                logger.warning("probe %s failed: %s", self.name, self._error)
+        else:
+            waited = self._clock() - self._asked_at
+            self._error = f"no answer for {waited:.1f} s (timeout {self._timeout_s:g} s)"
+        return Reading(self._value, not fresh, self._clock() - self._taken_at, self._error)
+
+    def close(self) -> None:
+        """Let the thread end after its current call (it is a daemon: exit never waits for it)."""
+        if self._thread is not None:
+            self._requests.put(None)
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"probe-{self.name}", daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            loop, future = request
+            try:
+                value = self._fn()
+            except Exception as exc:
+                self._answer(loop, future, None, exc)
+            else:
+                self._answer(loop, future, value, None)
+
+    @staticmethod
+    def _answer(
+        loop: asyncio.AbstractEventLoop, future: asyncio.Future[T], value: T | None, exc: Exception | None
+    ) -> None:
+        def settle() -> None:
+            if future.done():
+                return
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)  # type: ignore[arg-type]
+
+        # RuntimeError: the loop closed while the probe ran; nobody waits for it.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle)
