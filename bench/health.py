@@ -36,7 +36,6 @@ from bench.common import (
     clock,
     proc_cpu_s,
     proc_rss_bytes,
-    stop_pid,
 )
 
 logger = logging.getLogger(__name__)
@@ -92,6 +91,7 @@ def run(ctx: Context) -> list[FigureResult]:
         watch_dirs=[str(watch)],
         durable_url=durable.as_uri(),
         gpu_probe="none",
+        rescan_ms=int(os.environ.get("BOXWARDEN_BENCH_HEALTH_RESCAN_MS", "0")),  # 0: the default
     )
     config.write_text(json_format.MessageToJson(msg))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
@@ -128,6 +128,25 @@ def run(ctx: Context) -> list[FigureResult]:
         _wait(f"{n} durable claims", deadline, lambda: _health(stub).artifacts.durable >= n)
         print(f"  {n:,} claims durable {clock() - t0:.1f} s after the last write", file=sys.stderr)
         time.sleep(3.0)  # let the last notifications and pushes settle
+        if os.environ.get("BOXWARDEN_BENCH_HEALTH_PROFILE"):  # where the idle time goes (py-spy)
+            subprocess.Popen(
+                [
+                    "py-spy",
+                    "record",
+                    "-p",
+                    str(proc.pid),
+                    "-d",
+                    str(int(window)),
+                    "-o",
+                    os.environ["BOXWARDEN_BENCH_HEALTH_PROFILE"],
+                    "-f",
+                    "raw",
+                    "--threads",
+                    "--idle",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
 
         cpu0, w0 = proc_cpu_s(proc.pid), clock()
         rss_max = 0
@@ -162,8 +181,13 @@ def run(ctx: Context) -> list[FigureResult]:
         stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=2), timeout=60)
     finally:
         channel.close()
-        stop_pid(proc.pid)
-        proc.wait()
+        proc.terminate()  # our child: SIGTERM, and its drain (seconds) before it exits
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            logger.warning("the sidecar (pid %d) ignored SIGTERM for 60 s; killing it", proc.pid)
+            proc.kill()
+            proc.wait()
         shutil.rmtree(sock_dir, ignore_errors=True)
 
     notes = [

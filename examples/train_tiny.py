@@ -105,8 +105,19 @@ def checkpoints_newest_first(out: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
+RESUME_ENV = "BOXWARDEN_RESUME_FROM"
+
+
 def find_resume(out: Path) -> tuple[dict[str, Any], Path] | None:
-    """The newest checkpoint that loads; unreadable ones are reported and skipped, never deleted."""
+    """The checkpoint the boxwarden sidecar names in $BOXWARDEN_RESUME_FROM when it restarts this
+    job (its newest durable one), if it loads; else the newest checkpoint in `out` that loads.
+    Unreadable ones are reported and skipped, never deleted."""
+    named = os.environ.get(RESUME_ENV)
+    if named:
+        try:
+            return load_checkpoint(Path(named)), Path(named)
+        except Exception as exc:
+            print(f"{RESUME_ENV}={named} does not load ({type(exc).__name__}: {exc})", file=sys.stderr)
     for _, path in checkpoints_newest_first(out):
         try:
             return load_checkpoint(path), path

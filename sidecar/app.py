@@ -25,7 +25,7 @@ from typing import IO
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
-from sidecar import __version__, children, mounts
+from sidecar import __version__, children, mounts, resume
 from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
 from sidecar.config import Settings
@@ -33,6 +33,7 @@ from sidecar.errors import ConfigError
 from sidecar.evidence import unsealed
 from sidecar.gpu import GpuProbe, NullGpuProbe, ReplayGpuProbe, open_gpu_probe
 from sidecar.health import HealthHub
+from sidecar.jobrecord import JobRecord
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
 from sidecar.memprobe import MemoryProbe
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 MAX_MESSAGE = 8 << 20
 GPU_START_S = 15.0
+RESCAN_SHARE = 0.003
+"""The periodic rescan's most of one core (it waits this many times its own duration between two)."""
 SHUTDOWN_MARGIN_S = 1.5
 """Of the grace between SIGTERM and SIGKILL, what the drain leaves for the orderly shutdown."""
 
@@ -232,11 +235,30 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     # Orphans of our jobs reparent to us (a double-forked writer stays in view); we reap them.
     children.become_subreaper()
     children.install_reaper(loop)
-    jobs = JobSupervisor(ledger, s.log_dir, s.job_cwd, emit, reap=children.reap_orphans, environ=environ)
-    await jobs.recover()
     namer = ArtifactNamer(
         s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_signatures=_mount_signatures(ledger, s)
     )
+
+    async def resume_for(job: JobRecord) -> str:
+        """The checkpoint a restarted job resumes from: its cell's (<watch>/<cell>/) newest durable
+        one that still looks whole on the box; "" for none."""
+        cell_dirs = [namer.dir_prefix(w / job.cell) for w in s.watch_dirs] if job.cell else []
+        prefixes = tuple(p for p in cell_dirs if p)
+        if job.cell and not prefixes:
+            return ""
+        found = resume.candidates(ledger.current_claims(), prefixes, namer.to_abs)
+        return await asyncio.to_thread(resume.newest_loadable, found)
+
+    jobs = JobSupervisor(
+        ledger,
+        s.log_dir,
+        s.job_cwd,
+        emit,
+        reap=children.reap_orphans,
+        environ=environ,
+        resume_from=resume_for,
+    )
+    await jobs.recover()
     sealer = Sealer(
         namer=namer,
         ledger=ledger,
@@ -340,8 +362,9 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     async def rescans() -> None:
         while True:
             await sealer.rescan()
-            # A walk of 100,000 files costs about a second: never spend more than ~2 % of a core on it.
-            await asyncio.sleep(max(s.rescan_s, 50 * sealer.last_walk_s))
+            # The periodic rescan is a safety net (inotify's own overflow asks for one at once): it
+            # may cost RESCAN_SHARE of a core at most. 10,000 files take ~0.2 s: one a minute.
+            await asyncio.sleep(max(s.rescan_s, sealer.last_rescan_s / RESCAN_SHARE))
 
     workers = [
         loop.create_task(supervise(name, fn), name=name)

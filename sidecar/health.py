@@ -81,6 +81,9 @@ def job_to_pb(job: JobRecord, progress: Progress | None = None, now: float | Non
         leader_exited=job.leader_exited,
         live_pids=job.live_pids,
         keeper_lost=job.keeper_lost,
+        restart=job.restart,
+        restarts=job.restarts,
+        max_restarts=job.max_restarts,
     )
     if progress is not None:
         p = out.progress

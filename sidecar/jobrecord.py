@@ -56,6 +56,12 @@ class JobRecord:
     # Its keeper vanished before the job ended without being the sidecar's child (so its orphans
     # went to init, out of view): the job holds the gate until it is stopped by hand.
     keeper_lost: bool = False
+    # Restart policy: "never", or "on-failure" (a nonzero exit or a signal) up to max_restarts
+    # times, the n-th after backoff_s * 2**(n-1) seconds (at most MAX_BACKOFF_S).
+    restart: str = "never"
+    max_restarts: int = 0
+    backoff_s: float = 0.0
+    restarts: int = 0  # how many times it was started again so far
 
     @property
     def exit_path(self) -> Path:

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import secrets
 import select
@@ -38,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,12 @@ logger = logging.getLogger(__name__)
 
 JOB_STARTED = "JOB_STARTED"
 JOB_EXITED = "JOB_EXITED"
+JOB_RESTARTED = "JOB_RESTARTED"
+RESUME_ENV = "BOXWARDEN_RESUME_FROM"
+RESTART_POLICIES = ("never", "on-failure")
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_BACKOFF_S = 10.0
+MAX_BACKOFF_S = 300.0
 
 # Where pidfds are unavailable (old kernel, seccomp), the leader's liveness is polled this often.
 _POLL_INTERVAL_S = 0.5
@@ -135,8 +142,10 @@ class JobSupervisor:
         use_pidfd: bool = True,
         reap: Callable[[], object] | None = None,
         environ: Mapping[str, str] | None = None,
+        resume_from: Callable[[JobRecord], Awaitable[str]] | None = None,
     ) -> None:
-        """`use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
+        """`resume_from(job)`: the checkpoint a restarted job resumes from ("" for none).
+        `use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
         given, is called on every poll to collect orphaned jobs' zombies (the sidecar is their
         subreaper); never pass it in a process whose other children someone else waits for.
         `environ`: what every job inherits (default: this process's environment when the job starts)."""
@@ -162,6 +171,9 @@ class JobSupervisor:
         self._me = os.getpid()
         self._recovered = False
         self._closed = False
+        self._resume_from = resume_from
+        self._restarts: dict[str, asyncio.Task[None]] = {}  # jobs waiting out their backoff
+        self._relaunching: set[str] = set()  # of those, the ones being started now
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -199,9 +211,24 @@ class JobSupervisor:
         cell: str = "",
         cwd: Path | None = None,
         env: Mapping[str, str] | None = None,
+        restart: str = "never",
+        max_restarts: int = 0,
+        backoff_s: float = 0.0,
     ) -> JobRecord:
         if self._closed:
             raise PreconditionError("the job supervisor is shut down")
+        restart = restart or "never"
+        if restart not in RESTART_POLICIES:
+            raise PreconditionError(
+                f"restart policy {restart!r}: expected one of {', '.join(RESTART_POLICIES)}"
+            )
+        if not (backoff_s >= 0 and math.isfinite(backoff_s)):
+            raise PreconditionError(f"restart backoff {backoff_s} s: give 0 (the default) or more")
+        policy = (
+            (restart, max_restarts or DEFAULT_MAX_RESTARTS, backoff_s or DEFAULT_BACKOFF_S)
+            if restart == "on-failure"
+            else ("never", 0, 0.0)
+        )
         argv = list(argv)
         if not argv or not argv[0]:
             raise PreconditionError("a job needs a program: argv is empty")
@@ -219,7 +246,7 @@ class JobSupervisor:
         # From here until its record exists the job is "starting": a release must not begin.
         self._starting.add(job_id)
         # Shielded: once the keeper runs, the job is recorded even if the caller gives up waiting.
-        launch = self._launch(job_id, argv, cell, workdir, extra, executable, full_env)
+        launch = self._launch(job_id, argv, cell, workdir, extra, executable, full_env, policy)
         return await asyncio.shield(asyncio.ensure_future(launch))
 
     def starting(self) -> list[str]:
@@ -235,6 +262,8 @@ class JobSupervisor:
         extra: dict[str, str],
         executable: str,
         full_env: dict[str, str],
+        policy: tuple[str, int, float] = ("never", 0, 0.0),
+        restarts: int = 0,
     ) -> JobRecord:
         log_path = self._log_dir / f"{job_id}.log"
         try:
@@ -258,6 +287,10 @@ class JobSupervisor:
                 # Our unreaped child: its start time is there even if it has exited already.
                 keeper=[keeper.pid, read_start_ticks(keeper.pid, include_zombie=True) or 0],
                 boot_id=mounts.boot_id(),
+                restart=policy[0],
+                max_restarts=policy[1],
+                backoff_s=policy[2],
+                restarts=restarts,
             )
             self._jobs[job_id] = job
         finally:
@@ -338,7 +371,16 @@ class JobSupervisor:
         raise PreconditionError(f"cannot start {argv[0]!r}: {why}")
 
     async def stop(self, job_id: str, grace_s: float = 10.0) -> JobRecord:
-        """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record."""
+        """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record.
+        A job waiting to be started again is not started again."""
+        pending = self._restarts.get(job_id)
+        if pending is not None:
+            if job_id in self._relaunching:  # its new run is starting: let it, then stop it
+                await asyncio.gather(pending, return_exceptions=True)
+            else:
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+                logger.info("job %s will not be started again: stopped", job_id)
         job = self.get(job_id)
         watch = self._watches.get(job_id)
         if job.state != "running" or watch is None:
@@ -452,6 +494,9 @@ class JobSupervisor:
     async def close(self) -> None:
         """Stop watching. Running jobs are left running: they survive a sidecar restart."""
         self._closed = True
+        for pending in list(self._restarts.values()):
+            pending.cancel()  # a sidecar that stops starts nothing again (noted in the journal)
+        await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         loop = asyncio.get_running_loop()
         for job_id, watch in list(self._watches.items()):
             self._unwatch(loop, watch)
@@ -737,6 +782,74 @@ class JobSupervisor:
         except Exception:
             logger.exception("could not record the end of job %s", job_id)
         self._safe_emit(JOB_EXITED, job_id, str(exit_code) if exit_code is not None else state)
+        self._maybe_restart(job)
+
+    # ---- restarts ---------------------------------------------------------------------------------
+
+    def _maybe_restart(self, job: JobRecord) -> None:
+        """Start a job that failed again, after its backoff, if its policy says so. Failed: it
+        exited nonzero or died of a signal, by itself (a stopped job, or one whose exit is unknown
+        after a sidecar restart, is never restarted)."""
+        if job.restart != "on-failure" or job.state != "exited" or not job.exit_code or self._closed:
+            return
+        if job.restarts >= job.max_restarts:
+            logger.warning(
+                "job %s failed (exit %s) with no restart left (%d)", job.id, job.exit_code, job.max_restarts
+            )
+            return
+        delay = min(job.backoff_s * 2**job.restarts, MAX_BACKOFF_S)
+        logger.info("job %s failed (exit %s); starting it again in %.1f s", job.id, job.exit_code, delay)
+        task = asyncio.get_running_loop().create_task(self._restart(job, delay), name=f"restart-{job.id}")
+        self._restarts[job.id] = task
+        task.add_done_callback(lambda _: self._restarts.pop(job.id, None))
+
+    async def _restart(self, job: JobRecord, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            resume = await self._resume_from(job) if self._resume_from is not None else ""
+        except Exception:
+            logger.exception("could not choose a checkpoint for job %s to resume from", job.id)
+            resume = ""
+        extra = {k: v for k, v in job.env.items() if k != RESUME_ENV}
+        inherited = os.environ if self._environ is None else self._environ
+        full_env = {k: v for k, v in {**inherited, **extra}.items() if k != RESUME_ENV}
+        if resume:
+            full_env[RESUME_ENV] = resume
+        full_env[proctree.TAG] = job.id
+        workdir = Path(job.cwd)
+        attempt = job.restarts + 1
+        self._relaunching.add(job.id)
+        try:
+            executable = resolve_program(job.argv[0], workdir, full_env.get("PATH", os.defpath))
+            self._starting.add(job.id)
+            policy = (job.restart, job.max_restarts, job.backoff_s)
+            launch = self._launch(
+                job.id, job.argv, job.cell, workdir, extra, executable, full_env, policy, attempt
+            )
+            await asyncio.shield(asyncio.ensure_future(launch))
+        except Exception as e:
+            logger.error("job %s could not be started again: %s", job.id, e)
+            self._safe_emit(
+                JOB_RESTARTED, job.id, f"attempt {attempt} of {job.max_restarts} failed to start: {e}"
+            )
+            return
+        finally:
+            self._relaunching.discard(job.id)
+            self._starting.discard(job.id)
+        self._safe_emit(
+            JOB_RESTARTED,
+            job.id,
+            f"attempt {attempt} of {job.max_restarts} after exit {job.exit_code}; "
+            + (
+                f"{RESUME_ENV}={resume}"
+                if resume
+                else f"no durable checkpoint to resume from ({RESUME_ENV} unset)"
+            ),
+        )
+
+    def restart_pending(self) -> list[str]:
+        """Jobs that failed and will be started again after their backoff."""
+        return sorted(self._restarts)
 
     def _safe_emit(self, kind: str, job_id: str, detail: str) -> None:
         # Called from loop callbacks: an exception here must not leave a job half-finished.

@@ -355,6 +355,9 @@ class SidecarService:
             cell=request.cell,
             cwd=Path(request.cwd) if request.cwd else None,
             env=dict(request.env),
+            restart=request.restart,
+            max_restarts=request.max_restarts,
+            backoff_s=request.restart_backoff_s,
         )
         return pb.StartJobResponse(job=job_to_pb(job))
 

@@ -5,6 +5,7 @@ logs, and recorded NVML readings played back."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -200,8 +201,14 @@ def test_disk_and_inode_alerts_fire_once_per_episode_and_clear(tmp_path: Path, s
         wait_until(lambda: cleared(d, f"INODES_LOW: {where}"), what="INODES_LOW cleared")
 
 
-def start_job(d: Daemon, code: str) -> pb.Job:
-    return d.stub.StartJob(pb.StartJobRequest(argv=[sys.executable, "-c", code]), timeout=30).job
+@contextlib.contextmanager
+def started(d: Daemon, code: str) -> Iterator[pb.Job]:
+    """A job running `code`, stopped at the end whatever happens (jobs outlive their sidecar)."""
+    job = d.stub.StartJob(pb.StartJobRequest(argv=[sys.executable, "-c", code]), timeout=30).job
+    try:
+        yield job
+    finally:
+        d.stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=1), timeout=30)
 
 
 def test_a_nan_loss_raises_loss_nonfinite_within_two_seconds(tmp_path: Path) -> None:
@@ -214,8 +221,8 @@ def test_a_nan_loss_raises_loss_nonfinite_within_two_seconds(tmp_path: Path) -> 
         "print('step 2 loss=nan', flush=True)\n"
         "time.sleep(600)\n"
     ).replace("sys.argv[0]", repr(str(tmp_path / "job")))
-    with running(tmp_path / "box", health_interval_ms=1000) as d:  # the default interval
-        job = start_job(d, code)
+    # The default interval.
+    with running(tmp_path / "box", health_interval_ms=1000) as d, started(d, code) as job:
         wait_until(lambda: _progress(d, job.id).step == 1, what="step 1 in the health stream")
         assert _progress(d, job.id).loss == pytest.approx(0.693)
         (tmp_path / "job.go").touch()
@@ -224,7 +231,6 @@ def test_a_nan_loss_raises_loss_nonfinite_within_two_seconds(tmp_path: Path) -> 
         assert nan[0].at_unix_ns - printed_ns < 2e9, "LOSS_NONFINITE more than 2 s after the line"
         assert "loss=nan" in nan[0].detail
         assert _progress(d, job.id).nonfinite == 1
-        d.stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=1), timeout=30)
 
 
 def _progress(d: Daemon, job_id: str) -> pb.JobProgress:
@@ -242,8 +248,7 @@ def test_a_job_that_goes_quiet_is_stalled_once_and_cleared_when_it_speaks(tmp_pa
         "print('step 2 loss 0.9', flush=True)\n"
         "time.sleep(600)\n"
     )
-    with running(tmp_path / "box", stall_s=2) as d:
-        job = start_job(d, code)
+    with running(tmp_path / "box", stall_s=2) as d, started(d, code) as job:
         stalled = wait_until(lambda: [e for e in kinds(d, "JOB_STALLED") if e.job_id == job.id], timeout=15)
         newer_snapshot(d, newer_snapshot(d, 0).at_unix_ns)
         assert len([e for e in kinds(d, "JOB_STALLED") if e.job_id == job.id]) == 1
@@ -251,7 +256,6 @@ def test_a_job_that_goes_quiet_is_stalled_once_and_cleared_when_it_speaks(tmp_pa
         assert [a.subject for a in snapshot(d).alerts if a.kind == pb.JOB_STALLED] == [job.id]
         go.touch()
         wait_until(lambda: cleared(d, f"JOB_STALLED: {job.id}"), what="JOB_STALLED cleared")
-        d.stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=1), timeout=30)
 
 
 def test_recorded_nvml_readings_raise_xid_throttle_and_zombie_alerts(tmp_path: Path) -> None:
@@ -301,8 +305,7 @@ def test_a_job_killed_by_its_cgroup_memory_limit_raises_oom_kill(tmp_path: Path)
         (cg / "memory.limit_in_bytes").write_text(str(256 << 20))
         join = ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh"]
         hog = "b = []\nwhile True:\n    b.append(bytearray(8 << 20))\n"
-        with running(tmp_path / "box", prefix=join) as d:
-            job = start_job(d, hog)
+        with running(tmp_path / "box", prefix=join) as d, started(d, hog) as job:
             oom = wait_until(lambda: kinds(d, "OOM_KILL"), timeout=60, what="OOM_KILL")
             assert job.id in oom[0].detail and "exit -9" in oom[0].detail
             ended = [e for e in kinds(d, "JOB_EXITED") if e.job_id == job.id]

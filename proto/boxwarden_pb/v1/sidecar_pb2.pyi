@@ -1353,6 +1353,9 @@ class Job(_message.Message):
     LIVE_PIDS_FIELD_NUMBER: _builtins.int
     KEEPER_LOST_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
+    RESTART_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     cell: _builtins.str
     """Roster cell this job produces, may be empty."""
@@ -1376,6 +1379,10 @@ class Job(_message.Message):
     vanished before the job ended without being the sidecar's child: it was killed, and processes
     of the job may run where nothing ties them to it. The job stays RUNNING until StopJob.
     """
+    restart: _builtins.str
+    """Its restart policy and how many times it was started again."""
+    restarts: _builtins.int
+    max_restarts: _builtins.int
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -1406,10 +1413,13 @@ class Job(_message.Message):
         live_pids: _abc.Iterable[_builtins.int] | None = ...,
         keeper_lost: _builtins.bool = ...,
         progress: Global___JobProgress | None = ...,
+        restart: _builtins.str = ...,
+        restarts: _builtins.int = ...,
+        max_restarts: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["progress", b"progress"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "keeper_lost", b"keeper_lost", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "pgid", b"pgid", "pid", b"pid", "progress", b"progress", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "ended_at_unix_ns", b"ended_at_unix_ns", "exit_code", b"exit_code", "id", b"id", "keeper_lost", b"keeper_lost", "leader_exited", b"leader_exited", "live_pids", b"live_pids", "log_path", b"log_path", "max_restarts", b"max_restarts", "pgid", b"pgid", "pid", b"pid", "progress", b"progress", "restart", b"restart", "restarts", b"restarts", "started_at_unix_ns", b"started_at_unix_ns", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1443,9 +1453,20 @@ class StartJobRequest(_message.Message):
     CELL_FIELD_NUMBER: _builtins.int
     CWD_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
+    RESTART_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    RESTART_BACKOFF_S_FIELD_NUMBER: _builtins.int
     cell: _builtins.str
     cwd: _builtins.str
     """Working directory; empty: the configured workdir."""
+    restart: _builtins.str
+    """"never" (also ""), or "on-failure": a job that exits nonzero or dies of a signal is started
+    again, up to max_restarts times (0: 3), the n-th after restart_backoff_s * 2^(n-1) seconds
+    (0: 10 s; at most 300 s), with BOXWARDEN_RESUME_FROM naming the newest durable checkpoint of
+    its cell whose bytes on the box are still the claimed ones (unset if none).
+    """
+    max_restarts: _builtins.int
+    restart_backoff_s: _builtins.float
     @_builtins.property
     def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Program and arguments; argv[0] is looked up on PATH. Never a shell string."""
@@ -1461,10 +1482,13 @@ class StartJobRequest(_message.Message):
         cell: _builtins.str = ...,
         cwd: _builtins.str = ...,
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        restart: _builtins.str = ...,
+        max_restarts: _builtins.int = ...,
+        restart_backoff_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "env", b"env"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "env", b"env", "max_restarts", b"max_restarts", "restart", b"restart", "restart_backoff_s", b"restart_backoff_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
