@@ -506,12 +506,25 @@ def _same_claims(
         raise UsageError(f"{name} is running run {live.run_id}; `down` it before starting run {run_id}")
 
 
-async def run_job(box: Box, argv: Sequence[str], cell: str) -> pb.Job:
+@dataclass(frozen=True)
+class RestartPolicy:
+    """`run --restart`: what the sidecar does when the job fails (see StartJobRequest)."""
+
+    restart: str = "never"
+    max_restarts: int = 3
+    backoff_s: float = 10.0
+
+
+async def run_job(box: Box, argv: Sequence[str], cell: str, policy: RestartPolicy | None = None) -> pb.Job:
     if cell:
         check_name(cell, "cell")
+    p = policy or RestartPolicy()
+    req = pb.StartJobRequest(argv=list(argv), cell=cell, restart=p.restart)
+    if p.restart != "never":
+        req.max_restarts, req.restart_backoff_s = p.max_restarts, p.backoff_s
     async with connect(box) as c:
         await c.hello()
-        return await c.start_job(pb.StartJobRequest(argv=list(argv), cell=cell))
+        return await c.start_job(req)
 
 
 @dataclass

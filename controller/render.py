@@ -128,6 +128,11 @@ def job_started(job: pb.Job) -> None:
     info(
         f"job [bold]{esc(job.id)}[/] started (pid {job.pid}, cell {esc(job.cell or '-')}); "
         f"log: {esc(job.log_path)}"
+        + (
+            f"; started again on failure, up to {job.max_restarts} times"
+            if job.restart == "on-failure"
+            else ""
+        )
     )
 
 

@@ -299,7 +299,11 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         logger.warning(
             "%d claims changed or went while the sidecar was not running; their copies are kept", ended
         )
+    # The container's own root too: RunPod's small overlay fills before /workspace does.
     disk_paths = [(d, "watch") for d in s.watch_dirs] + [(s.state_dir, "state")]
+    for extra, role in ((s.job_cwd, "workdir"), (Path("/"), "root")):
+        if all(extra != p for p, _ in disk_paths):
+            disk_paths.append((extra, role))
     health = HealthHub(
         paths=disk_paths,
         store=store,

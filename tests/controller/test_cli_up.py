@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from controller.digest import path_key
-from tests.conftest import Bw, pid_alive, save_ckpt
+from tests.conftest import Bw, pid_alive, save_ckpt, wait_until
 
 
 def test_up_twice_leaves_the_running_sidecar_alone(bw: Bw) -> None:
@@ -131,3 +131,33 @@ def test_run_then_logs_follow_until_the_job_exits(bw: Bw) -> None:
     r = bw.ok("logs", "b1", "--job", job["id"], "-f")  # returns only once the job has exited
     assert r.stdout.splitlines() == ["line 0", "line 1", "line 2"]
     assert bw.ok("logs", "b1").stdout == r.stdout  # newest job by default
+
+
+def test_run_restart_on_failure_starts_a_failing_job_again(bw: Bw) -> None:
+    bw.up("b1")
+    out = bw.ok(
+        "run",
+        "b1",
+        "--json",
+        "--restart",
+        "on-failure",
+        "--max-restarts",
+        "1",
+        "--restart-backoff",
+        "0.1",
+        "--",
+        "sh",
+        "-c",
+        "exit 4",
+    ).stdout
+    job = json.loads(out)
+    assert job["restart"] == "on-failure" and job["max_restarts"] == 1
+
+    def restarted() -> list[dict[str, object]]:
+        recs = [json.loads(line) for line in bw.ok("events", "b1", "--json").stdout.splitlines()]
+        return [r for r in recs if r["kind"] == "JOB_RESTARTED" and r.get("job_id") == job["id"]]
+
+    events = wait_until(restarted, what="JOB_RESTARTED")
+    assert str(events[0]["detail"]).startswith("attempt 1 of 1 after exit 4")
+    r = bw("run", "b1", "--restart", "always", "--", "true")
+    assert r.returncode != 0 and "on-failure" in r.stderr

@@ -144,7 +144,7 @@ def test_health_snapshot_has_disks_jobs_artifacts_and_self(tmp_path: Path) -> No
         snaps.cancel()
         assert second.at_unix_ns > first.at_unix_ns
         roles = {x.role for x in second.disks}
-        assert roles == {"watch", "durable", "state"}
+        assert roles == {"watch", "durable", "state", "root"}  # the workdir is the state dir here
         assert all(x.total_bytes >= x.free_bytes > 0 and x.total_inodes > 0 for x in second.disks)
         assert second.artifacts.sealed == 1 and second.artifacts.durable == 1
         assert second.artifacts.sealed_bytes == 1000 and second.artifacts.not_durable_bytes == 0

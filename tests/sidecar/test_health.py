@@ -344,6 +344,6 @@ def test_the_sidecar_serves_its_health_to_a_prometheus_scrape(tmp_path: Path) ->
         )
         assert m["boxwarden_claims_durable"][0] == ({"box": "t1", "run_id": "default"}, 1.0)
         roles = {labels["role"] for labels, _ in m["boxwarden_disk_free_bytes"]}
-        assert roles == {"watch", "durable", "state"}
+        assert roles == {"watch", "durable", "state", "root"}  # the workdir is the state dir here
         assert m["boxwarden_memory_host_total_bytes"][0][1] > 0
         assert {labels["probe"] for labels, _ in m["boxwarden_probe_stale"]} == {"host", "gpu", "progress"}

@@ -819,7 +819,9 @@ class DiskUsage(_message.Message):
     path: _builtins.str
     """The path that was asked about (a watched directory, the durable directory, the state dir)."""
     role: _builtins.str
-    """What the path is: "watch", "durable" or "state"."""
+    """What the path is: "watch", "durable", "state", "workdir" (the jobs' working directory) or "root"
+    (the container's own root filesystem).
+    """
     total_bytes: _builtins.int
     free_bytes: _builtins.int
     total_inodes: _builtins.int
