@@ -108,6 +108,9 @@ class Sealer:
         self._settle_s = settle_s
         self.notify = notify
         self._tasks: dict[str, asyncio.Task[None]] = {}  # seals, by artifact path
+        # Seals beyond MAX_SEALING wait here, not as tasks: a burst of 10,000 small files is 10,000
+        # entries, not 10,000 suspended coroutines (their memory stayed with the process after).
+        self._queued: dict[str, Path] = {}
         # The sealer's own chores ("rescan", "left", "gone:<path>"), apart from the seals: a file
         # named `rescan` or `gone:last.pt` must never stand for one, nor be dropped for one.
         self._chores: dict[str, asyncio.Task[None]] = {}
@@ -157,7 +160,7 @@ class Sealer:
                 if change.kind == "arrived":
                     self._arrived.add(art)
             if art is not None and art in self._tasks:
-                self._again.add(art)
+                self._again.add(art)  # (a queued one is settled when its turn comes)
             if change.kind != "dirty":
                 self.candidate(change.path)
             elif self._ahead is not None:
@@ -200,7 +203,19 @@ class Sealer:
         if art in self._tasks:
             self._again.add(art)
             return
+        if art in self._queued or len(self._tasks) >= MAX_SEALING:
+            self._queued[art] = path
+            return
         self._spawn(art, self._settle_and_seal(art, path))
+
+    def _next_queued(self) -> None:
+        while self._queued and len(self._tasks) < MAX_SEALING:
+            art = next(iter(self._queued))
+            self._spawn(art, self._settle_and_seal(art, self._queued.pop(art)))
+
+    def pending(self, art: str) -> bool:
+        """A seal of `art` is queued, settling or running."""
+        return art in self._tasks or art in self._queued
 
     def force_reseal(self, art: str, why: str) -> None:
         """Bytes on disk were found not to match the claim: seal the file again, whatever its identity."""
@@ -243,10 +258,11 @@ class Sealer:
                 self.candidate(self.namer.to_abs(key))
             except SidecarError as e:
                 logger.warning("not re-sealing %s: %s", key, e)
+        self._next_queued()
 
     def busy_set(self) -> frozenset[str]:
-        """Artifacts whose seal is settling or running now."""
-        return frozenset(self._tasks)
+        """Artifacts whose seal is queued, settling or running now."""
+        return frozenset(self._tasks) | frozenset(self._queued)
 
     async def _rescan_soon(self) -> None:
         """A rescan asked for by a directory event, at most one per few walk-times: a tree of
@@ -319,7 +335,7 @@ class Sealer:
         seen = set()
         for art, path, st in walked:
             seen.add(art)
-            if art in self._tasks:
+            if self.pending(art):
                 continue  # its seal is on the way; a write event brings it back if it changes again
             claim = claims.get(art)
             if claim is None or claim.identity != FileIdentity.of(st) or art in self.dirty:
@@ -336,6 +352,7 @@ class Sealer:
         self.last_rescan_s = time.monotonic() - started
 
     async def close(self) -> None:
+        self._queued.clear()
         tasks = [*self._tasks.values(), *self._chores.values()]
         for t in tasks:
             t.cancel()
@@ -588,8 +605,8 @@ class Sealer:
         """Push every current claim that is not durable yet, newest first. Returns how many became durable."""
         made = 0
         for claim in self.ledger.not_durable():
-            if claim.path in self._tasks:
-                continue  # being sealed right now: that seal pushes and proves it
+            if self.pending(claim.path):
+                continue  # being sealed (or about to be): that seal pushes and proves it
             if claim.durable_only and claim.push_error.startswith("LOST:"):
                 continue  # nothing on the box can push it, and re-reading a rotten copy costs egress
             async with self.lock(claim.path):
