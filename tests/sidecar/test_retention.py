@@ -16,12 +16,11 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from sidecar.identity import FileIdentity
 from sidecar.keep import choose, parse_keep, place, read_metric
 from sidecar.ledger import ClaimRow, Ledger
-from sidecar.paths import ArtifactNamer
 from sidecar.retention import Retainer
-from sidecar.sealer import Sealer
 from sidecar.storage import open_store
 from sidecar.storage.local import LocalStore
 from tests.conftest import wait_until
+from tests.sidecar.conftest import make_sealer
 from tests.sidecar.daemon import running
 
 
@@ -149,15 +148,7 @@ async def _never_deletes_unproven(tmp_path: Path) -> None:
     failing = FailsItsProof(real.root, url=real.url)
     with ThreadPoolExecutor(2) as pool:
         for store, expect_retired in ((failing, 0), (real, 2)):
-            sealer = Sealer(
-                namer=ArtifactNamer((watch,)),
-                ledger=ledger,
-                store=store,
-                executor=pool,
-                scan_executor=pool,
-                settle_s=0.05,
-                notify=lambda: None,
-            )
+            sealer = make_sealer(watch, ledger, store, pool, settle_s=0.05)
             retired = await Retainer(sealer, parse_keep("last=1")).once()
             assert retired == expect_retired
             if store is failing:

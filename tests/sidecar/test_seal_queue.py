@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sidecar.ledger import Ledger
-from sidecar.paths import ArtifactNamer
-from sidecar.sealer import MAX_SEALING, Sealer
+from sidecar.sealer import MAX_SEALING
 from sidecar.storage.local import LocalStore
+from tests.sidecar.conftest import make_sealer
 
 N = 3 * MAX_SEALING + 7
 
@@ -31,15 +31,7 @@ def test_a_burst_is_queued_beyond_max_sealing_and_all_of_it_becomes_durable(tmp_
 
     async def scenario() -> None:
         with ThreadPoolExecutor(2) as ex:
-            sealer = Sealer(
-                namer=ArtifactNamer((watch,)),
-                ledger=ledger,
-                store=store,
-                executor=ex,
-                scan_executor=ex,
-                settle_s=0.01,
-                notify=lambda: None,
-            )
+            sealer = make_sealer(watch, ledger, store, ex)
             before = len(asyncio.all_tasks())
             for p in paths:
                 sealer.candidate(p)

@@ -19,12 +19,11 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from sidecar import config
 from sidecar.errors import ConfigError, PreconditionError, StorageError
 from sidecar.ledger import Ledger
-from sidecar.paths import ArtifactNamer
 from sidecar.probes import DiskSample
-from sidecar.sealer import Sealer
 from sidecar.storage import StagedCopy, local_dir
 from sidecar.storage.copier import single_pass
 from sidecar.storage.local import LocalStore
+from tests.sidecar.conftest import make_sealer
 
 CHUNK = 64 << 10
 
@@ -215,15 +214,7 @@ def space_short(tmp_path: Path, answer: DiskSample | StorageError | None, size: 
 
     async def ask() -> str:
         with ThreadPoolExecutor(1) as ex:
-            sealer = Sealer(
-                namer=ArtifactNamer((tmp_path / "watch",)),
-                ledger=ledger,
-                store=store,
-                executor=ex,
-                scan_executor=ex,
-                settle_s=0.01,
-                notify=lambda: None,
-            )
+            sealer = make_sealer(tmp_path / "watch", ledger, store, ex)
             return sealer._space_short(size)
 
     try:
