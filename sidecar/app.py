@@ -242,9 +242,11 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     async def resume_for(job: JobRecord) -> str:
         """The checkpoint a restarted job resumes from: its cell's (<watch>/<cell>/) newest durable
         one that still looks whole on the box; "" for none."""
-        cell_dirs = [namer.dir_prefix(w / job.cell) for w in s.watch_dirs] if job.cell else []
-        prefixes = tuple(p for p in cell_dirs if p)
-        if job.cell and not prefixes:
+        # A job without a cell: only what lies under its working directory, if that is watched
+        # (never another job's checkpoints).
+        dirs = [w / job.cell for w in s.watch_dirs] if job.cell else [Path(job.cwd)]
+        prefixes = tuple(p for p in (namer.dir_prefix(d) for d in dirs) if p is not None)
+        if not prefixes:
             return ""
         found = resume.candidates(ledger.current_claims(), prefixes, namer.to_abs)
         return await asyncio.to_thread(resume.newest_loadable, found)
@@ -281,6 +283,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     async def running_jobs(caller: Caller | None) -> list[str]:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
+        lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
         return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]
 
     releaser = Releaser(sealer, running_jobs, pace)

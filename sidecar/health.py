@@ -31,7 +31,7 @@ from sidecar.alerts import AlertBook, Held
 from sidecar.backlog import Bandwidth
 from sidecar.bell import Bell
 from sidecar.compat import SLOTS
-from sidecar.errors import StorageError
+from sidecar.errors import SidecarError, StorageError
 from sidecar.gpu import GpuProbe, GpuReading, NullGpuProbe
 from sidecar.jobs import JobRecord, JobSupervisor
 from sidecar.ledger import ClaimRow, Ledger
@@ -327,8 +327,13 @@ class HealthHub:
         """NEXT_SAVE_WONT_FIT once per episode: the newest claim's filesystem has fewer free bytes
         than its size, or fewer than two free inodes (a save writes a temp name, then renames)."""
         why = ""
+        where = None
         if newest is not None and self._to_abs is not None:
-            where = self._to_abs(newest.path)
+            try:
+                where = self._to_abs(newest.path)
+            except SidecarError:  # a symlink where the claim was: nothing to tell of its disk
+                where = None
+        if newest is not None and where is not None:
             for d in disks:
                 if d.role != "watch" or not where.is_relative_to(d.path):
                     continue
@@ -362,8 +367,12 @@ class HealthHub:
 
     async def run(self, interval_s: float) -> None:
         while True:
-            self.latest = await self.sample()
-            self.bell.ring()
+            try:
+                self.latest = await self.sample()
+            except Exception:  # a full disk refusing the journal, an odd path: try again next tick
+                logger.exception("health sample failed; the last snapshot stays")
+            else:
+                self.bell.ring()
             await asyncio.sleep(interval_s)
 
     def close(self) -> None:

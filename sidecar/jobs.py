@@ -174,6 +174,7 @@ class JobSupervisor:
         self._resume_from = resume_from
         self._restarts: dict[str, asyncio.Task[None]] = {}  # jobs waiting out their backoff
         self._relaunching: set[str] = set()  # of those, the ones being started now
+        self._no_restart: set[str] = set()  # stopped by StopJob: never started again
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -373,6 +374,8 @@ class JobSupervisor:
     async def stop(self, job_id: str, grace_s: float = 10.0) -> JobRecord:
         """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record.
         A job waiting to be started again is not started again."""
+        self.get(job_id)
+        self._no_restart.add(job_id)
         pending = self._restarts.get(job_id)
         if pending is not None:
             if job_id in self._relaunching:  # its new run is starting: let it, then stop it
@@ -792,6 +795,8 @@ class JobSupervisor:
         after a sidecar restart, is never restarted)."""
         if job.restart != "on-failure" or job.state != "exited" or not job.exit_code or self._closed:
             return
+        if job.id in self._no_restart:  # StopJob asked for it to end
+            return
         if job.restarts >= job.max_restarts:
             logger.warning(
                 "job %s failed (exit %s) with no restart left (%d)", job.id, job.exit_code, job.max_restarts
@@ -801,7 +806,12 @@ class JobSupervisor:
         logger.info("job %s failed (exit %s); starting it again in %.1f s", job.id, job.exit_code, delay)
         task = asyncio.get_running_loop().create_task(self._restart(job, delay), name=f"restart-{job.id}")
         self._restarts[job.id] = task
-        task.add_done_callback(lambda _: self._restarts.pop(job.id, None))
+
+        def forget(done: asyncio.Task[None], job_id: str = job.id) -> None:
+            if self._restarts.get(job_id) is done:  # not a newer restart of the same job
+                del self._restarts[job_id]
+
+        task.add_done_callback(forget)
 
     async def _restart(self, job: JobRecord, delay: float) -> None:
         await asyncio.sleep(delay)

@@ -111,6 +111,7 @@ class Sealer:
         # Seals beyond MAX_SEALING wait here, not as tasks: a burst of 10,000 small files is 10,000
         # entries, not 10,000 suspended coroutines (their memory stayed with the process after).
         self._queued: dict[str, Path] = {}
+        self._closing = False
         # The sealer's own chores ("rescan", "left", "gone:<path>"), apart from the seals: a file
         # named `rescan` or `gone:last.pt` must never stand for one, nor be dropped for one.
         self._chores: dict[str, asyncio.Task[None]] = {}
@@ -197,6 +198,8 @@ class Sealer:
 
     def candidate(self, path: Path) -> None:
         """A file may be finished: settle it and seal it (debounced per path)."""
+        if self._closing:
+            return
         art = self.namer.claimable(path)
         if art is None:
             return
@@ -252,10 +255,16 @@ class Sealer:
         self._tasks.pop(key, None)
         if not task.cancelled() and task.exception() is not None:
             logger.error("sealing %s failed", key, exc_info=task.exception())
+        if self._closing:
+            return
         if key in self._again:
             self._again.discard(key)
             try:
-                self.candidate(self.namer.to_abs(key))
+                path = self.namer.to_abs(key)
+                if self._queued:  # others have waited longer: behind them (none starves)
+                    self._queued[key] = path
+                else:
+                    self.candidate(path)
             except SidecarError as e:
                 logger.warning("not re-sealing %s: %s", key, e)
         self._next_queued()
@@ -352,6 +361,7 @@ class Sealer:
         self.last_rescan_s = time.monotonic() - started
 
     async def close(self) -> None:
+        self._closing = True  # a seal cancelled below starts no other
         self._queued.clear()
         tasks = [*self._tasks.values(), *self._chores.values()]
         for t in tasks:

@@ -127,3 +127,32 @@ def test_an_unknown_restart_policy_is_refused(tmp_path: Path) -> None:
             d.stub.StartJob(pb.StartJobRequest(argv=["true"], restart="always"), timeout=10)
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "on-failure" in (e.value.details() or "")
+
+
+def test_a_release_is_refused_while_a_failed_job_waits_to_be_started_again(tmp_path: Path) -> None:
+    with running(tmp_path / "box") as d:
+        with job(d, ["sh", "-c", "exit 1"], restart="on-failure", restart_backoff_s=30.0) as j:
+            wait_until(lambda: events(d, "JOB_EXITED", j.id))
+            r = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest="0" * 64), timeout=30)
+            held = [x.detail for x in r.refused if x.code == "JOB_RUNNING"]
+            assert held == [f"job {j.id} (failed; waiting to be started again)"]
+            assert not r.deleted
+        # StopJob (leaving `job`) cancelled the restart: nothing holds the release for that job now.
+        r = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest="0" * 64), timeout=30)
+        assert not [x for x in r.refused if x.code == "JOB_RUNNING"]
+
+
+def test_a_job_without_a_cell_resumes_only_from_what_lies_in_its_own_working_directory(
+    tmp_path: Path,
+) -> None:
+    with running(tmp_path / "box") as d:
+        other = d.watch / "other-job"
+        other.mkdir()
+        (other / "ckpt-000100.pt").write_bytes(b"PK\x03\x04" + os.urandom(100))  # another job's checkpoint
+        d.wait_durable(1)
+        argv = ["sh", "-c", 'echo "resume=${BOXWARDEN_RESUME_FROM:-none}"; exit 1']
+        with job(d, argv, restart="on-failure", max_restarts=1, restart_backoff_s=0.05) as j:
+            restarted = wait_until(lambda: events(d, "JOB_RESTARTED", j.id))[0]
+            assert "BOXWARDEN_RESUME_FROM unset" in restarted.detail
+            log = Path(listed(d, j.id).log_path)
+            wait_until(lambda: log.read_text().count("resume=none") == 2)
