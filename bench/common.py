@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MiB = 1 << 20
+REPO = Path(__file__).resolve().parent.parent
+CODE_PATH = os.pathsep.join([str(REPO), str(REPO / "proto")])
+"""PYTHONPATH for the processes a figure starts (CLI, sidecar): this checkout's code."""
 _WRITE_CHUNK = 16 * MiB
 _MEMORY_FS = {"tmpfs", "ramfs", "devtmpfs", "overlay-tmpfs"}
 

@@ -28,6 +28,7 @@ from boxwarden_pb.v1 import sidecar_pb2_grpc
 from google.protobuf import json_format
 
 from bench.common import (
+    CODE_PATH,
     Context,
     FigureResult,
     Side,
@@ -41,7 +42,6 @@ from bench.common import (
 logger = logging.getLogger(__name__)
 
 KEY = "health"
-REPO = Path(__file__).resolve().parent.parent
 IDLE_BUDGET = 0.01  # of one core
 RSS_BUDGET_MIB = 80.0
 FOLLOW_BUDGET = 0.05
@@ -94,7 +94,7 @@ def run(ctx: Context) -> list[FigureResult]:
         rescan_ms=int(os.environ.get("BOXWARDEN_BENCH_HEALTH_RESCAN_MS", "0")),  # 0: the default
     )
     config.write_text(json_format.MessageToJson(msg))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")])}
+    env = {**os.environ, "PYTHONPATH": CODE_PATH}
     log = open(base / "sidecar.log", "wb")  # noqa: SIM115 - handed to the child
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "--config", str(config)],

@@ -28,7 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import Context, FigureResult, Side, Timing, clock, interleaved, quiesce, remove, run_quiet
+from bench.common import (
+    CODE_PATH,
+    REPO,
+    Context,
+    FigureResult,
+    Side,
+    Timing,
+    clock,
+    interleaved,
+    quiesce,
+    remove,
+    run_quiet,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +51,6 @@ UP_KEY = "remote-up"
 UP_TITLE = "up of a box whose venv exists, to Hello"
 UP_TARGET_S = 3.0
 CIPHER = "aes128-gcm@openssh.com"
-REPO = Path(__file__).resolve().parent.parent
 NAME = "bench"
 
 PROFILE = """
@@ -108,7 +119,7 @@ def rig(ctx: Context) -> Iterator[Rig]:
                 **os.environ,
                 "BOXWARDEN_HOME": str(home),
                 "BOXWARDEN_SSH_CONFIG": str(boxes.config),
-                "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")]),
+                "PYTHONPATH": CODE_PATH,
             }
             yield Rig(env, box, boxes.config, profile, home)
         finally:

@@ -38,6 +38,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from bench.common import (
+    CODE_PATH,
     Context,
     FigureResult,
     Side,
@@ -52,7 +53,6 @@ from bench.common import (
 logger = logging.getLogger(__name__)
 
 KEY = "scale"
-REPO = Path(__file__).resolve().parent.parent
 BOX = "scale"
 BURST = 2_000
 PER_DIR = 1_000
@@ -86,7 +86,7 @@ class _Box:
         return {
             **os.environ,
             "BOXWARDEN_HOME": str(self.home),
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")]),
+            "PYTHONPATH": CODE_PATH,
             "COLUMNS": "200",
         }
 

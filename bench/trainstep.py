@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import Context, FigureResult, Side, Timing, make_hot, quiesce
+from bench.common import REPO, Context, FigureResult, Side, Timing, make_hot, quiesce
 from sidecar.storage.pace import DEFAULT_RATE
 
 logger = logging.getLogger(__name__)
@@ -45,7 +45,6 @@ logger = logging.getLogger(__name__)
 KEY = "train-step"
 TITLE = "trainer step time during a push"
 TARGET = 1.05  # ≤ 1.05× the step time without the sidecar
-REPO = Path(__file__).resolve().parent.parent
 SETTLE_MS = 200  # the sidecar's default
 GAP_S = 0.5
 WARMUP_S = 2.0
