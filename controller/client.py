@@ -212,6 +212,22 @@ class SidecarClient:
             lambda: self.stub.ListJobs(pb.ListJobsRequest(caller=self.caller), timeout=self.timeout_s),
         )
 
+    async def list_queues(self) -> list[pb.Queue]:
+        req = pb.ListJobsRequest(queues_only=True)
+        resp = await self._call("ListJobs", lambda: self.stub.ListJobs(req, timeout=self.timeout_s))
+        return list(resp.queues)
+
+    async def start_queue(self, req: pb.StartQueueRequest) -> pb.StartQueueResponse:
+        return await self._call("StartQueue", lambda: self.stub.StartQueue(req, timeout=self.timeout_s))
+
+    async def stop_queue(self, name: str, grace_s: int) -> pb.Queue:
+        req = pb.StopQueueRequest(name=name, grace_s=grace_s)
+        # As StopJob: the grace, then a few seconds for SIGKILL to land.
+        resp = await self._call(
+            "StopQueue", lambda: self.stub.StopQueue(req, timeout=grace_s + self.timeout_s)
+        )
+        return resp.queue
+
     async def start_job(self, req: pb.StartJobRequest) -> pb.Job:
         resp = await self._call("StartJob", lambda: self.stub.StartJob(req, timeout=self.timeout_s))
         return resp.job
@@ -221,6 +237,13 @@ class SidecarClient:
         # It waits out the grace, then up to a few seconds for SIGKILL to land.
         resp = await self._call("StopJob", lambda: self.stub.StopJob(req, timeout=grace_s + self.timeout_s))
         return resp.job
+
+    async def reap_process(self, pid: int, grace_s: int) -> pb.ReapProcessResponse:
+        req = pb.ReapProcessRequest(pid=pid, grace_s=grace_s)
+        # It takes two GPU readings, waits out the grace, then up to a few seconds for SIGKILL.
+        return await self._call(
+            "ReapProcess", lambda: self.stub.ReapProcess(req, timeout=grace_s + 2 * self.timeout_s)
+        )
 
     async def release(
         self, manifest_digest: str, *, accept_server_checksum: bool = False

@@ -9,9 +9,7 @@ run a shell is refused here, before anything can run it.
 from __future__ import annotations
 
 import datetime as dt
-import os
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -23,7 +21,7 @@ import blake3
 
 from controller.errors import UsageError
 from controller.templates import BRACES, check_template
-from controller.tomlfields import Fields
+from controller.tomlfields import Fields, read_text
 
 KINDS = ("local", "ssh-rental", "cloud-api", "ssh", "slurm", "k8s")
 MODES = ("argv", "manual", "none")
@@ -250,24 +248,7 @@ MAX_PROFILE_BYTES = 1 << 20
 def load_file(path: Path) -> Profile:
     """Read and validate a profile file (a user's own, or a shipped one): a regular file of at most
     1 MiB of UTF-8, checked on the open file before reading (a FIFO or /dev/zero would never end)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError) as e:
-        why = e.strerror if isinstance(e, OSError) else str(e)
-        raise UsageError(f"{path}: cannot read the profile: {why}") from e
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UsageError(f"{path}: not a regular file; give --profile-file a TOML file")
-        if st.st_size > MAX_PROFILE_BYTES:
-            raise UsageError(f"{path}: {st.st_size} bytes; a profile is at most 1 MiB, give the right file")
-        data = f.read(MAX_PROFILE_BYTES + 1)
-    if len(data) > MAX_PROFILE_BYTES:
-        raise UsageError(f"{path}: more than 1 MiB; a profile is at most 1 MiB, give the right file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise UsageError(f"{path}: not UTF-8 text (byte {e.start}); save the profile as UTF-8 TOML") from e
+    text = read_text(path, what="the profile", option="--profile-file", max_bytes=MAX_PROFILE_BYTES)
     return _loads(text, file=str(path), stem=path.stem)
 
 

@@ -72,6 +72,11 @@ def info(msg: str) -> None:
     _console().print(msg)
 
 
+def table_out(t: Table) -> None:
+    """A rich table, where every message goes (stderr)."""
+    _console().print(t)
+
+
 def error(msg: str) -> None:
     _console().print(f"[bold red]error:[/] {esc(msg, multiline=True)}")
 

@@ -4,7 +4,10 @@ left over is reported as an unknown field; every error names the file and the fi
 from __future__ import annotations
 
 import math
+import os
+import stat
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from controller.errors import UsageError
@@ -95,3 +98,39 @@ class Fields:
 
 def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
     return kind if isinstance(kind, tuple) else (kind,)
+
+
+def read_text(path: Path, *, what: str, option: str, max_bytes: int) -> str:
+    """The UTF-8 text of a small regular file a user named (`what`: "the profile", "the queue
+    file"; `option`: the flag that names it), checked on the open file before reading: a FIFO or
+    /dev/zero would never end, a directory is not a file. Every problem is one UsageError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else str(e)
+        raise UsageError(f"{path}: cannot read {what}: {why}") from e
+    limit = f"{what} is at most {max_bytes >> 20} MiB, give the right file"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UsageError(f"{path}: not a regular file; give {option} a TOML file")
+        if st.st_size > max_bytes:
+            raise UsageError(f"{path}: {st.st_size} bytes; {limit}")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise UsageError(f"{path}: cannot read {what}: {e.strerror}") from e
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise UsageError(f"{path}: more than {max_bytes >> 20} MiB; {limit}")
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{path}: not UTF-8 text (byte {e.start}); save {what} as UTF-8 TOML") from e

@@ -17,7 +17,7 @@ import os
 import signal
 import stat
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO
@@ -28,6 +28,7 @@ from boxwarden_pb.v1 import sidecar_pb2_grpc
 from sidecar import __version__, children, mounts, resume
 from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
+from sidecar.cellqueue import CellEvidence, QueueRunner, evidence_of
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.evidence import unsealed
@@ -44,7 +45,7 @@ from sidecar.probethread import ProbeThread
 from sidecar.release import Releaser
 from sidecar.retention import Retainer
 from sidecar.sealer import Sealer
-from sidecar.server import Parts, SidecarService
+from sidecar.server import Parts, SidecarService, start_refusal
 from sidecar.storage import open_store
 from sidecar.storage.pace import Pace
 from sidecar.strays import Caller, stray_line
@@ -56,6 +57,9 @@ MAX_MESSAGE = 8 << 20
 GPU_START_S = 15.0
 RESCAN_SHARE = 0.003
 """The periodic rescan's most of one core (it waits this many times its own duration between two)."""
+QUEUE_SETTLE_S = 10.0
+"""How long after its job ended a finished cell with nothing claimed counts as NO_CHECKPOINT (plus
+the settle time of a write): its last save may still be on its way to a claim."""
 SHUTDOWN_MARGIN_S = 1.5
 """Of the grace between SIGTERM and SIGKILL, what the drain leaves for the orderly shutdown."""
 
@@ -284,9 +288,29 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
         lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
+        lines += queues.waiting()
         return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]
 
     releaser = Releaser(sealer, running_jobs, pace)
+
+    def cell_evidence(cells: Collection[str]) -> dict[str, CellEvidence]:
+        owner = {}  # artifact path prefix of a cell's directory -> the cell
+        for cell in cells:
+            for w in s.watch_dirs:
+                prefix = namer.dir_prefix(w / cell)
+                if prefix:
+                    owner[prefix] = cell
+        return evidence_of(cells, owner, ledger.current_claims(), sealer.dirty | sealer.busy_set())
+
+    queues = QueueRunner(
+        ledger,
+        jobs,
+        lambda kind, detail: emit(kind, "", detail),
+        cell_evidence,
+        may_start=lambda: start_refusal(releaser, s.box_name),
+        settle_s=QUEUE_SETTLE_S + s.settle_s,
+    )
+    await queues.recover()
     restored = await releaser.restore_asides()
     if restored:
         logger.warning("put back %d files an interrupted release had renamed aside", restored)
@@ -350,6 +374,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         durable_root=store.url,
         backlog=backlog,
         store=store,
+        queues=queues,
     )
     sidecar_pb2_grpc.add_SidecarServicer_to_server(SidecarService(parts), server)  # type: ignore[arg-type]
     _remove_stale_socket(s.socket_path)
@@ -386,6 +411,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     logger.info("sidecar %s serving on unix:%s (pid %d)", __version__, s.socket_path, os.getpid())
     try:
         await stop.wait()
+        await queues.close()  # no cell starts while the box drains or shuts down
         for w in workers:
             if w.get_name() == "retention":
                 w.cancel()  # no more re-reads for deletions while the grace runs out
@@ -402,6 +428,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
             metrics.close()
         watcher.stop()
         await loop.run_in_executor(None, watcher.join)
+        await queues.close()
         await sealer.close()
         await jobs.close()
         ledger.close()

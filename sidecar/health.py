@@ -31,7 +31,7 @@ from sidecar.alerts import AlertBook, Held
 from sidecar.backlog import Bandwidth
 from sidecar.bell import Bell
 from sidecar.compat import SLOTS
-from sidecar.errors import SidecarError, StorageError
+from sidecar.errors import PreconditionError, SidecarError, StorageError
 from sidecar.gpu import GpuProbe, GpuReading, NullGpuProbe
 from sidecar.jobs import JobRecord, JobSupervisor
 from sidecar.ledger import ClaimRow, Ledger
@@ -199,6 +199,26 @@ class HealthHub:
         if durable is not None:
             disks.append(durable)
         return HostReading(tuple(disks), self._memory_probe.sample())
+
+    async def gpu_reading_now(self) -> GpuReading:
+        """A GPU reading begun after this call, never the snapshot's, through the GPU probe's own
+        thread within its deadline (`reap` confirms a pid with it). PreconditionError when the probe
+        does not answer in time or fails: nothing may be concluded from an old reading."""
+        # A read already in flight (the sampler's) may have begun before this call: the second
+        # read is always a new request, asked once the first one returned.
+        await self._fresh_gpu()
+        return await self._fresh_gpu()
+
+    async def _fresh_gpu(self) -> GpuReading:
+        got = await self._gpu.read()
+        if got.stale or got.value is None:
+            raise PreconditionError(
+                f"no fresh GPU reading ({got.error or 'none yet'}): the GPU probe (NVML) did not answer "
+                "in time; try again once `boxwarden status` shows the gpu probe fresh"
+            )
+        # Its Xids are handed out once: the alerts must see them as the sampler's would.
+        self._gpu_alerts(got.value, self._jobs.jobs(), fresh=True)
+        return got.value
 
     # ---- one sample (on the loop: no blocking call) ---------------------------------------------
 

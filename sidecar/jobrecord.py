@@ -7,6 +7,7 @@ without importing the supervisor's machinery.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,9 @@ class JobRecord:
     max_restarts: int = 0
     backoff_s: float = 0.0
     restarts: int = 0  # how many times it was started again so far
+    # When it is due to be started again (time.time_ns()), while it waits out its backoff; 0 when
+    # no restart is due. Kept across a sidecar restart, which arms it again.
+    restart_at_ns: int = 0
 
     @property
     def exit_path(self) -> Path:
@@ -102,6 +106,17 @@ class JobStore(Protocol):
     def save_job(self, job: JobRecord) -> None: ...
 
     def load_jobs(self) -> list[JobRecord]: ...
+
+
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+NAME_CHARS = "letters, digits, '.', '_' or '-' (at most 64, starting with a letter or digit)"
+
+
+def check_name(name: str, what: str) -> str:
+    """A roster cell or queue name: one safe path component (a cell names <watch>/<cell>/)."""
+    if not NAME_RULE.fullmatch(name):
+        raise PreconditionError(f"{what} {name!r} is not allowed: use {NAME_CHARS}")
+    return name
 
 
 def read_start_ticks(pid: int, *, include_zombie: bool = False) -> int | None:

@@ -47,7 +47,7 @@ from typing import Any
 from sidecar import children, mounts, proctree, strays
 from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError
-from sidecar.jobrecord import JobRecord, JobStore, read_start_ticks, resolve_program
+from sidecar.jobrecord import JobRecord, JobStore, check_name, read_start_ticks, resolve_program
 from sidecar.strays import Stray
 
 __all__ = ["JOB_EXITED", "JOB_STARTED", "JobRecord", "JobStore", "JobSupervisor", "read_start_ticks"]
@@ -58,6 +58,7 @@ JOB_STARTED = "JOB_STARTED"
 JOB_EXITED = "JOB_EXITED"
 JOB_RESTARTED = "JOB_RESTARTED"
 RESUME_ENV = "BOXWARDEN_RESUME_FROM"
+CELL_ENV = "BOXWARDEN_CELL"
 RESTART_POLICIES = ("never", "on-failure")
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_BACKOFF_S = 10.0
@@ -175,6 +176,17 @@ class JobSupervisor:
         self._restarts: dict[str, asyncio.Task[None]] = {}  # jobs waiting out their backoff
         self._relaunching: set[str] = set()  # of those, the ones being started now
         self._no_restart: set[str] = set()  # stopped by StopJob: never started again
+        self._settled: list[Callable[[JobRecord], None]] = []
+
+    def on_settled(self, listener: Callable[[JobRecord], None]) -> None:
+        """Call `listener(job)` (on the loop) each time a job is over for good: it ended and will
+        not be started again (no restart left or due, stopped, or its restart could not start)."""
+        self._settled.append(listener)
+
+    def settled(self, job_id: str) -> bool:
+        """The job ended and nothing will start it again."""
+        job = self.get(job_id)
+        return job.state != "running" and job_id not in self._restarts and job_id not in self._starting
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -188,6 +200,19 @@ class JobSupervisor:
             return self._jobs[job_id]
         except KeyError:
             raise NotFoundError(f"no job {job_id!r}") from None
+
+    def known(self, job_id: str) -> bool:
+        return job_id in self._jobs
+
+    def of_cell(self, cell: str) -> list[JobRecord]:
+        """The jobs of a roster cell as last seen (no scan), newest first."""
+        return sorted(
+            (j for j in self._jobs.values() if j.cell == cell), key=lambda j: j.started_at_ns, reverse=True
+        )
+
+    def launch_began(self, job_id: str) -> bool:
+        """A start of this job id got as far as creating its log (its keeper may have run)."""
+        return (self._log_dir / f"{job_id}.log").exists()
 
     def running(self) -> list[JobRecord]:
         """Jobs with a live process, scanned now (the gate and release ask this)."""
@@ -215,7 +240,9 @@ class JobSupervisor:
         restart: str = "never",
         max_restarts: int = 0,
         backoff_s: float = 0.0,
+        job_id: str = "",
     ) -> JobRecord:
+        """`job_id`: the id to give the job (a queue records it before the start); "" for a new one."""
         if self._closed:
             raise PreconditionError("the job supervisor is shut down")
         restart = restart or "never"
@@ -230,6 +257,8 @@ class JobSupervisor:
             if restart == "on-failure"
             else ("never", 0, 0.0)
         )
+        if cell:
+            check_name(cell, "cell")
         argv = list(argv)
         if not argv or not argv[0]:
             raise PreconditionError("a job needs a program: argv is empty")
@@ -237,18 +266,31 @@ class JobSupervisor:
         if not workdir.is_dir():
             raise PreconditionError(f"working directory {str(workdir)!r} is not an existing directory")
         extra = dict(env or {})
-        job_id = self._new_id()
-        # The tag goes last: a caller's variable of the same name must not hide the job's members.
-        inherited = os.environ if self._environ is None else self._environ
-        full_env = {**inherited, **extra, proctree.TAG: job_id}
+        if job_id and (job_id in self._jobs or job_id in self._starting):
+            raise PreconditionError(f"job id {job_id!r} is taken")
+        job_id = job_id or self.new_id()
+        full_env = self._job_env(job_id, cell, extra)
         executable = resolve_program(argv[0], workdir, full_env.get("PATH", os.defpath))
 
-        self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # From here until its record exists the job is "starting": a release must not begin.
         self._starting.add(job_id)
         # Shielded: once the keeper runs, the job is recorded even if the caller gives up waiting.
         launch = self._launch(job_id, argv, cell, workdir, extra, executable, full_env, policy)
         return await asyncio.shield(asyncio.ensure_future(launch))
+
+    def _job_env(self, job_id: str, cell: str, extra: Mapping[str, str], resume: str = "") -> dict[str, str]:
+        """What a job's process starts with: the inherited environment, the caller's variables, then
+        what the sidecar sets (last: a caller's variable of the same name must not hide the job's
+        members, nor name another cell or checkpoint)."""
+        inherited = os.environ if self._environ is None else self._environ
+        ours = (proctree.TAG, CELL_ENV, RESUME_ENV)
+        env = {k: v for k, v in {**inherited, **extra}.items() if k not in ours}
+        if cell:
+            env[CELL_ENV] = cell
+        if resume:
+            env[RESUME_ENV] = resume
+        env[proctree.TAG] = job_id
+        return env
 
     def starting(self) -> list[str]:
         """Jobs whose keeper was started and that have no record yet (their leader may run)."""
@@ -318,6 +360,7 @@ class JobSupervisor:
         log_path: Path,
     ) -> tuple[subprocess.Popen[Any], int, int]:
         """Start the job's keeper and have it start the leader: (keeper, leader pid, its start ticks)."""
+        self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         exit_path = log_path.with_suffix(".exit")
         exit_path.unlink(missing_ok=True)  # never read some earlier job's status as this one's
         # What to start goes in a file, not in the keeper's command line: `pkill -f train.py`
@@ -330,7 +373,9 @@ class JobSupervisor:
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         notify, notify_w = os.pipe()
         try:
-            keeper = children.popen(
+            # Off the loop: a fork of a large process, and its exec, take milliseconds.
+            keeper = await asyncio.to_thread(
+                children.popen,
                 [sys.executable, "-I", str(_KEEPER), str(notify_w), str(spec)],
                 cwd="/",
                 env=env,
@@ -384,6 +429,10 @@ class JobSupervisor:
                 pending.cancel()
                 await asyncio.gather(pending, return_exceptions=True)
                 logger.info("job %s will not be started again: stopped", job_id)
+                self._set_restart_due(job_id, 0)
+                self._notify_settled(job_id)
+        elif self.get(job_id).restart_at_ns and job_id not in self._watches:
+            self._set_restart_due(job_id, 0)  # due while no sidecar ran, not armed yet
         job = self.get(job_id)
         watch = self._watches.get(job_id)
         if job.state != "running" or watch is None:
@@ -481,6 +530,10 @@ class JobSupervisor:
             else:
                 logger.info("job %s (pid %s) is gone or its PID was reused: lost", job.id, job.pid)
                 self._finish(job.id, "lost", None)
+        for job in loaded:  # restarts that were due when the sidecar stopped
+            if job.state == "exited" and job.restart_at_ns and job.id not in self._restarts:
+                logger.info("job %s was waiting to be started again: armed again", job.id)
+                self._maybe_restart(self._jobs[job.id], due_ns=job.restart_at_ns)
         self.refresh()
 
     def _adopt_tree(self, job: JobRecord) -> None:
@@ -498,7 +551,7 @@ class JobSupervisor:
         """Stop watching. Running jobs are left running: they survive a sidecar restart."""
         self._closed = True
         for pending in list(self._restarts.values()):
-            pending.cancel()  # a sidecar that stops starts nothing again (noted in the journal)
+            pending.cancel()  # the next sidecar arms it again (its due time is recorded)
         await asyncio.gather(*self._restarts.values(), return_exceptions=True)
         loop = asyncio.get_running_loop()
         for job_id, watch in list(self._watches.items()):
@@ -786,13 +839,24 @@ class JobSupervisor:
             logger.exception("could not record the end of job %s", job_id)
         self._safe_emit(JOB_EXITED, job_id, str(exit_code) if exit_code is not None else state)
         self._maybe_restart(job)
+        if job_id not in self._restarts:
+            self._notify_settled(job_id)
+
+    def _notify_settled(self, job_id: str) -> None:
+        job = self._jobs[job_id]
+        for listener in self._settled:
+            try:
+                listener(job)
+            except Exception:
+                logger.exception("a listener failed on the end of job %s", job_id)
 
     # ---- restarts ---------------------------------------------------------------------------------
 
-    def _maybe_restart(self, job: JobRecord) -> None:
+    def _maybe_restart(self, job: JobRecord, due_ns: int = 0) -> None:
         """Start a job that failed again, after its backoff, if its policy says so. Failed: it
         exited nonzero or died of a signal, by itself (a stopped job, or one whose exit is unknown
-        after a sidecar restart, is never restarted)."""
+        after a sidecar restart, is never restarted). `due_ns`: when (a restart that was due when the
+        sidecar stopped); 0: after the backoff from now. The due time is recorded first."""
         if job.restart != "on-failure" or job.state != "exited" or not job.exit_code or self._closed:
             return
         if job.id in self._no_restart:  # StopJob asked for it to end
@@ -802,7 +866,10 @@ class JobSupervisor:
                 "job %s failed (exit %s) with no restart left (%d)", job.id, job.exit_code, job.max_restarts
             )
             return
-        delay = min(job.backoff_s * 2**job.restarts, MAX_BACKOFF_S)
+        now = time.time_ns()
+        due_ns = due_ns or now + int(min(job.backoff_s * 2**job.restarts, MAX_BACKOFF_S) * 1e9)
+        delay = max(0.0, (due_ns - now) / 1e9)
+        self._set_restart_due(job.id, due_ns)
         logger.info("job %s failed (exit %s); starting it again in %.1f s", job.id, job.exit_code, delay)
         task = asyncio.get_running_loop().create_task(self._restart(job, delay), name=f"restart-{job.id}")
         self._restarts[job.id] = task
@@ -821,11 +888,7 @@ class JobSupervisor:
             logger.exception("could not choose a checkpoint for job %s to resume from", job.id)
             resume = ""
         extra = {k: v for k, v in job.env.items() if k != RESUME_ENV}
-        inherited = os.environ if self._environ is None else self._environ
-        full_env = {k: v for k, v in {**inherited, **extra}.items() if k != RESUME_ENV}
-        if resume:
-            full_env[RESUME_ENV] = resume
-        full_env[proctree.TAG] = job.id
+        full_env = self._job_env(job.id, job.cell, extra, resume)
         workdir = Path(job.cwd)
         attempt = job.restarts + 1
         self._relaunching.add(job.id)
@@ -842,6 +905,9 @@ class JobSupervisor:
             self._safe_emit(
                 JOB_RESTARTED, job.id, f"attempt {attempt} of {job.max_restarts} failed to start: {e}"
             )
+            self._set_restart_due(job.id, 0)
+            self._restarts.pop(job.id, None)
+            self._notify_settled(job.id)
             return
         finally:
             self._relaunching.discard(job.id)
@@ -857,6 +923,14 @@ class JobSupervisor:
             ),
         )
 
+    def _set_restart_due(self, job_id: str, due_ns: int) -> None:
+        record = dataclasses.replace(self._jobs[job_id], restart_at_ns=due_ns)
+        self._jobs[job_id] = record
+        try:
+            self._store.save_job(record)
+        except Exception:
+            logger.exception("could not record the restart of job %s", job_id)
+
     def restart_pending(self) -> list[str]:
         """Jobs that failed and will be started again after their backoff."""
         return sorted(self._restarts)
@@ -868,7 +942,8 @@ class JobSupervisor:
         except Exception:
             logger.exception("could not emit %s for job %s", kind, job_id)
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
+        """An id no job has or is being started with."""
         while True:
             job_id = "j" + secrets.token_hex(4)
             if job_id not in self._jobs and job_id not in self._starting:

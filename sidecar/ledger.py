@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sidecar.compat import SLOTS
 from sidecar.identity import FileIdentity
@@ -48,6 +49,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS claims_one_current ON claims(path) WHERE curre
 CREATE INDEX IF NOT EXISTS claims_durable_by_path ON claims(path, id) WHERE durable = 1;
 CREATE INDEX IF NOT EXISTS claims_not_durable ON claims(sealed_at_ns) WHERE current = 1 AND durable = 0;
 CREATE TABLE IF NOT EXISTS jobs(id TEXT PRIMARY KEY, record TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS queues(name TEXT PRIMARY KEY, record TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -496,6 +498,18 @@ class Ledger:
     def load_jobs(self) -> list[JobRecord]:
         rows = self._db.execute("SELECT record FROM jobs").fetchall()
         return [JobRecord(**json.loads(r["record"])) for r in rows]
+
+    # -- queues (implements sidecar.cellqueue.QueueStore) ------------------------------------------
+
+    def save_queue(self, name: str, record: dict[str, Any]) -> None:
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO queues(name, record) VALUES (?, ?)", (name, json.dumps(record))
+            )
+
+    def load_queues(self) -> list[dict[str, Any]]:
+        rows = self._db.execute("SELECT record FROM queues").fetchall()
+        return [json.loads(r["record"]) for r in rows]
 
 
 def _claim(row: sqlite3.Row) -> ClaimRow:

@@ -27,9 +27,10 @@ from typing import Any
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from sidecar import __version__, mounts
+from sidecar import __version__, mounts, reap
 from sidecar.backlog import AtRisk, Backlog
 from sidecar.bell import Bell
+from sidecar.cellqueue import Entry, QueueRunner
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
 from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, BoxEvidence, box_evidence, unsealed
@@ -111,6 +112,7 @@ class Parts:
     durable_root: str
     backlog: Backlog
     store: DurableStore
+    queues: QueueRunner
 
 
 @dataclass
@@ -346,10 +348,9 @@ class SidecarService:
 
     @translated
     async def StartJob(self, request: pb.StartJobRequest, context: Ctx) -> pb.StartJobResponse:
-        if self._p.releaser.active:
-            raise PreconditionError("a release is deleting this box's artifacts; no job may start now")
-        if self._p.releaser.released:
-            raise PreconditionError(_released_message(self._p.settings.box_name))
+        why = start_refusal(self._p.releaser, self._p.settings.box_name)
+        if why:
+            raise PreconditionError(why)
         job = await self._p.jobs.start(
             list(request.argv),
             cell=request.cell,
@@ -362,12 +363,47 @@ class SidecarService:
         return pb.StartJobResponse(job=job_to_pb(job))
 
     @translated
+    async def StartQueue(self, request: pb.StartQueueRequest, context: Ctx) -> pb.StartQueueResponse:
+        why = start_refusal(self._p.releaser, self._p.settings.box_name)
+        if why:
+            raise PreconditionError(why)
+        cells = [Entry(cell=c.cell, argv=list(c.argv), cwd=c.cwd, env=dict(c.env)) for c in request.cells]
+        queue, started = await self._p.queues.start(
+            request.name,
+            cells,
+            restart=request.restart,
+            max_restarts=request.max_restarts,
+            backoff_s=request.restart_backoff_s,
+        )
+        return pb.StartQueueResponse(queue=self._p.queues.to_pb(queue), started=started)
+
+    @translated
+    async def StopQueue(self, request: pb.StopQueueRequest, context: Ctx) -> pb.StopQueueResponse:
+        queue = await self._p.queues.stop(request.name, grace_s=float(request.grace_s or 10))
+        return pb.StopQueueResponse(queue=self._p.queues.to_pb(queue))
+
+    @translated
     async def StopJob(self, request: pb.StopJobRequest, context: Ctx) -> pb.StopJobResponse:
         job = await self._p.jobs.stop(request.id, grace_s=float(request.grace_s or 10))
         return pb.StopJobResponse(job=job_to_pb(job))
 
     @translated
+    async def ReapProcess(self, request: pb.ReapProcessRequest, context: Ctx) -> pb.ReapProcessResponse:
+        p = self._p
+        done = await reap.reap(
+            request.pid,
+            float(request.grace_s or reap.GRACE_S),
+            health=p.health,
+            jobs=p.jobs,
+            ledger=p.ledger,
+            notify=p.journal.ring,
+        )
+        return pb.ReapProcessResponse(gone=done.gone, detail=done.detail)
+
+    @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
+        if request.queues_only:
+            return pb.ListJobsResponse(queues=[self._p.queues.to_pb(q) for q in self._p.queues.queues()])
         jobs = self._p.jobs.jobs()
         watched = [str(d) for d in self._p.settings.watch_dirs]
         found = await self._p.jobs.strays(
@@ -375,6 +411,7 @@ class SidecarService:
         )
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
+            queues=[self._p.queues.to_pb(q) for q in self._p.queues.queues()],
             strays=[
                 pb.Stray(
                     pid=x.pid, command=x.command, cwd=x.cwd, started_at_unix_ns=x.started_at_ns, why=x.why
@@ -394,7 +431,7 @@ class SidecarService:
         try:
             while True:
                 ticket = self._p.journal.ticket()
-                data = os.pread(fd, CHUNK, offset)
+                data = await asyncio.to_thread(os.pread, fd, CHUNK, offset)  # the disk may be slow
                 if data:
                     yield pb.TailLogChunk(data=data, offset=offset)
                     offset += len(data)
@@ -483,6 +520,15 @@ def _open_log(job_id: str, path: Path) -> int:
                 "started, so there is no log to show"
             ) from None
         raise
+
+
+def start_refusal(releaser: Releaser, box: str) -> str:
+    """Why no job may start on this box now ("" when one may)."""
+    if releaser.active:
+        return "a release is deleting this box's artifacts; no job may start now"
+    if releaser.released:
+        return _released_message(box)
+    return ""
 
 
 def _released_message(box: str) -> str:

@@ -59,6 +59,8 @@ COMMANDS = (
     "verify",
     "down",
     "profiles",
+    "reap",
+    "queue",
 )
 
 

@@ -11,6 +11,20 @@ from controller.durable import read_credentials
 from controller.state import State, default_home
 
 json_flag = click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+grace_option = click.option(
+    "--grace",
+    type=click.IntRange(1, 3600),
+    default=10,
+    show_default=True,
+    help="Seconds between SIGTERM and SIGKILL.",
+)
+queue_timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=7 * 24 * 3600,
+    show_default="a week",
+    help="With --wait: seconds to follow the queue.",
+)
 roster_option = click.option(
     "--roster",
     "roster",

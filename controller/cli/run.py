@@ -1,18 +1,42 @@
-"""`boxwarden run NAME [--cell CELL] -- CMD ARGS...`: start a supervised job on the box."""
+"""`boxwarden run NAME [--cell CELL] -- CMD ARGS...`: start a supervised job on the box.
+
+`run NAME --queue cells.toml` and `run NAME --cell a --cell b ... -- CMD ARGS...` queue cells that
+the sidecar runs one after another instead (see controller.queues, controller.cellsfile).
+"""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import click
 
-from controller import boxes, render
-from controller.cli.options import json_flag, open_state
+from controller import boxes, cellsfile, queues, queueview, render
+from controller.cli.options import json_flag, open_state, queue_timeout_option
+from controller.errors import UsageError
 
 
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.argument("name")
-@click.option("--cell", default="", help="Roster cell this job produces (a name like a box name).")
+@click.option(
+    "--cell",
+    "cells",
+    multiple=True,
+    metavar="CELL",
+    help="Roster cell this job produces (a name like a box name). Repeated: a queue of these cells, "
+    "each running CMD (with {cell} replaced), one after another.",
+)
+@click.option(
+    "--queue",
+    "queue_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Queue the cells of this file (cells.toml; see the README) to run one after another.",
+)
+@click.option(
+    "--queue-name",
+    help="With repeated --cell: the queue's name (default: one derived from the cells and CMD, so "
+    "that the same command line continues the same queue).",
+)
 @click.option(
     "--restart",
     type=click.Choice(["never", "on-failure"]),
@@ -35,23 +59,59 @@ from controller.cli.options import json_flag, open_state
     show_default=True,
     help="Seconds before the first restart; each next one waits twice as long (at most 300 s).",
 )
+@click.option(
+    "--wait",
+    is_flag=True,
+    help="With a queue: follow it until it is over, and exit 0 only if every cell finished and its "
+    "checkpoints are durable (1: a cell failed; 4: not over by --timeout).",
+)
+@queue_timeout_option
 @json_flag
-@click.argument("argv", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("argv", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
 def command(
+    ctx: click.Context,
     name: str,
-    cell: str,
+    cells: tuple[str, ...],
+    queue_file: Path | None,
+    queue_name: str | None,
     restart: str,
     max_restarts: int,
     restart_backoff: float,
+    wait: bool,
+    timeout: float,
     as_json: bool,
     argv: tuple[str, ...],
 ) -> None:
-    """Run CMD on box NAME in its own session, with its output in a log file."""
-    if cell:
-        boxes.check_name(cell, "cell")  # a roster cell is one path component, checked before anything
+    """Run CMD on box NAME in its own session, with its output in a log file; or queue cells."""
+    for cell in cells:
+        boxes.check_name(cell, "cell")  # one path component, checked before anything
+    if queue_file is not None or len(cells) > 1:
+        plan = _queue_plan(queue_file, cells, queue_name, argv)
+        explicit = {
+            p: ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
+            for p in ("restart", "max_restarts", "restart_backoff")
+        }
+        policy = boxes.RestartPolicy(
+            restart if explicit["restart"] or plan.restart is None else plan.restart,
+            max_restarts if explicit["max_restarts"] or plan.max_restarts is None else plan.max_restarts,
+            restart_backoff
+            if explicit["restart_backoff"] or plan.restart_backoff is None
+            else plan.restart_backoff,
+        )
+        _run_queue(name, plan, policy, wait=wait, timeout=timeout, as_json=as_json)
+        return
+    if wait or queue_name:
+        raise UsageError(
+            "--wait and --queue-name go with a queue (--queue FILE, or --cell given twice or more)"
+        )
+    if not argv:
+        raise UsageError(
+            "give the command to run after the options: boxwarden run NAME [--cell CELL] -- CMD ..."
+        )
     box = open_state().get(name)
     policy = boxes.RestartPolicy(restart, max_restarts, restart_backoff)
-    job = asyncio.run(boxes.run_job(box, argv, cell, policy))
+    job = asyncio.run(boxes.run_job(box, argv, cells[0] if cells else "", policy))
     if as_json:
         render.json_out(
             {
@@ -65,3 +125,49 @@ def command(
         )
     else:
         render.job_started(job)
+
+
+def _queue_plan(
+    queue_file: Path | None, cells: tuple[str, ...], queue_name: str | None, argv: tuple[str, ...]
+) -> cellsfile.CellsFile:
+    if queue_file is not None:
+        if cells or argv or queue_name:
+            raise UsageError(
+                "--queue FILE takes its cells, commands and name from the file: give no --cell, "
+                "--queue-name or command with it"
+            )
+        return cellsfile.load_cells(queue_file)
+    if not argv:
+        raise UsageError(
+            "give the command every cell runs after the options: ... --cell a --cell b -- CMD ..."
+        )
+    return cellsfile.cells_from_flags(cells, argv, name=queue_name)
+
+
+def _run_queue(
+    name: str,
+    plan: cellsfile.CellsFile,
+    policy: boxes.RestartPolicy,
+    *,
+    wait: bool,
+    timeout: float,
+    as_json: bool,
+) -> None:
+    box = open_state().get(name)
+    resp = asyncio.run(queues.start_queue(box, plan, policy))
+    q = resp.queue
+    if not as_json:
+        verb = "queued" if resp.started else "already running, unchanged:"
+        render.info(
+            f"{verb} {len(q.cells)} cells as queue [bold]{render.esc(q.name)}[/] on {render.esc(name)}"
+        )
+        if not wait:
+            render.info(f"follow it with: boxwarden queue {name} {q.name} --wait")
+    if wait:
+        q = queueview.follow(box, q.name, timeout, quiet=as_json)
+    if as_json:
+        render.json_out({**queues.to_json(name, q), "started": resp.started})
+    elif wait:
+        queueview.table(name, q)
+    if wait:
+        raise click.exceptions.Exit(queues.exit_code(q))

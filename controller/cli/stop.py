@@ -8,20 +8,14 @@ import click
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import reach, render
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import grace_option, json_flag, open_state
 from controller.errors import ControllerError
 
 
 @click.command("stop")
 @click.argument("name")
 @click.argument("job_id", metavar="JOB")
-@click.option(
-    "--grace",
-    type=click.IntRange(1, 3600),
-    default=10,
-    show_default=True,
-    help="Seconds between SIGTERM and SIGKILL.",
-)
+@grace_option
 @json_flag
 def command(name: str, job_id: str, grace: int, as_json: bool) -> None:
     """Stop job JOB on box NAME: SIGTERM to each of its processes, SIGKILL after the grace."""

@@ -214,3 +214,8 @@ def test_a_poll_counts_only_what_it_printed_on_stdout_and_only_if_it_ran(tmp_pat
         stop_meter(p, box, manual_done=no, run=run, clock=lambda: float(next(clock)), sleep=never_sleep)
     )
     assert result.gone is True and result.polls == 3
+
+
+def test_a_directory_given_as_a_profile_file_is_refused_with_a_message(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="not a regular file; give --profile-file a TOML file"):
+        profiles.load_file(tmp_path)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import grpc
 import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from tests.conftest import REPO, wait_until
+from tests.conftest import REPO, pid_alive, wait_until
 from tests.sidecar.daemon import Daemon, running
 
 TRAINER = REPO / "examples" / "train_tiny.py"
@@ -156,3 +157,30 @@ def test_a_job_without_a_cell_resumes_only_from_what_lies_in_its_own_working_dir
             assert "BOXWARDEN_RESUME_FROM unset" in restarted.detail
             log = Path(listed(d, j.id).log_path)
             wait_until(lambda: log.read_text().count("resume=none") == 2)
+
+
+def test_another_process_with_the_same_command_line_is_never_taken_for_the_job(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import time; time.sleep(600)", "same-argv"]
+    twin: subprocess.Popen[bytes] | None = None
+    with running(tmp_path / "box") as d:
+        try:
+            with job(d, argv, restart="on-failure", max_restarts=1, restart_backoff_s=0.05) as j:
+                # The twin: the very same command line, started by someone else in the job's workdir.
+                twin = subprocess.Popen(argv, cwd=listed(d, j.id).cwd, stdin=subprocess.DEVNULL)
+                wait_until(lambda: pid_alive(twin.pid))
+                listing = d.stub.ListJobs(pb.ListJobsRequest(), timeout=30)
+                (mine,) = [x for x in listing.jobs if x.id == j.id]
+                assert twin.pid not in mine.live_pids and mine.pid in mine.live_pids
+                assert twin.pid in [s.pid for s in listing.strays]  # seen, as what it is: a stray
+                # The job's own process dies: the job died (its signal), however alike the twin is,
+                # and on-failure starts it again.
+                os.kill(mine.pid, signal.SIGKILL)
+                assert wait_until(lambda: events(d, "JOB_EXITED", j.id))[0].detail == "-9"
+                again = wait_until(lambda: (x := listed(d, j.id)).restarts == 1 and x.pid != mine.pid and x)
+                assert twin.pid not in again.live_pids
+            # StopJob (leaving `job`) ended the job's processes, and never the twin.
+            assert listed(d, j.id).state == pb.JOB_STATE_STOPPED and twin.poll() is None
+        finally:
+            if twin is not None:
+                twin.kill()
+                twin.wait(timeout=30)

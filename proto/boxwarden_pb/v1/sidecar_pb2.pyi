@@ -142,6 +142,12 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """A job's log reported a non-finite loss (detail: the line)."""
     ALERT_CLEARED: _EventKind.ValueType  # 26
     """An alert's condition ended (detail: "<KIND>: <what>")."""
+    QUEUE_STARTED: _EventKind.ValueType  # 27
+    """A queue was started, or asked to run again (detail: its name, the cells queued)."""
+    QUEUE_FINISHED: _EventKind.ValueType  # 28
+    """Nothing more of a queue runs (detail: its name, the result and each cell's outcome)."""
+    PROCESS_REAPED: _EventKind.ValueType  # 29
+    """A process holding GPU memory outside every job was ended on request (detail: pid, signals)."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -208,6 +214,12 @@ LOSS_NONFINITE: EventKind.ValueType  # 25
 """A job's log reported a non-finite loss (detail: the line)."""
 ALERT_CLEARED: EventKind.ValueType  # 26
 """An alert's condition ended (detail: "<KIND>: <what>")."""
+QUEUE_STARTED: EventKind.ValueType  # 27
+"""A queue was started, or asked to run again (detail: its name, the cells queued)."""
+QUEUE_FINISHED: EventKind.ValueType  # 28
+"""Nothing more of a queue runs (detail: its name, the result and each cell's outcome)."""
+PROCESS_REAPED: EventKind.ValueType  # 29
+"""A process holding GPU memory outside every job was ended on request (detail: pid, signals)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 class _JobState:
@@ -236,6 +248,101 @@ JOB_STATE_STOPPED: JobState.ValueType  # 3
 JOB_STATE_LOST: JobState.ValueType  # 4
 """The sidecar restarted and the process is gone; its exit code is unknown."""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
+
+class _CellState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CellStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CellState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CELL_STATE_UNSPECIFIED: _CellState.ValueType  # 0
+    CELL_PENDING: _CellState.ValueType  # 1
+    """Not started yet."""
+    CELL_RUNNING: _CellState.ValueType  # 2
+    """Its job runs (or waits out a restart backoff)."""
+    CELL_DONE: _CellState.ValueType  # 3
+    """Its job exited 0 (job_id); durable says whether its checkpoints are safe."""
+    CELL_FAILED: _CellState.ValueType  # 4
+    """Its job exited nonzero, died of a signal, was stopped or lost, or could not start (detail)."""
+    CELL_SKIPPED: _CellState.ValueType  # 5
+    """Not run by this pass: it finished earlier on this box (job_id names that job)."""
+    CELL_CANCELLED: _CellState.ValueType  # 6
+    """The queue was stopped before this cell started."""
+
+class CellState(_CellState, metaclass=_CellStateEnumTypeWrapper): ...
+
+CELL_STATE_UNSPECIFIED: CellState.ValueType  # 0
+CELL_PENDING: CellState.ValueType  # 1
+"""Not started yet."""
+CELL_RUNNING: CellState.ValueType  # 2
+"""Its job runs (or waits out a restart backoff)."""
+CELL_DONE: CellState.ValueType  # 3
+"""Its job exited 0 (job_id); durable says whether its checkpoints are safe."""
+CELL_FAILED: CellState.ValueType  # 4
+"""Its job exited nonzero, died of a signal, was stopped or lost, or could not start (detail)."""
+CELL_SKIPPED: CellState.ValueType  # 5
+"""Not run by this pass: it finished earlier on this box (job_id names that job)."""
+CELL_CANCELLED: CellState.ValueType  # 6
+"""The queue was stopped before this cell started."""
+Global___CellState: _TypeAlias = CellState  # noqa: Y015
+
+class _CellDurability:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CellDurabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_CellDurability.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CELL_DURABILITY_UNSPECIFIED: _CellDurability.ValueType  # 0
+    CELL_DURABLE: _CellDurability.ValueType  # 1
+    """Every claim under <watch>/<cell>/ is durable and nothing there waits to be sealed."""
+    CELL_PUSHING: _CellDurability.ValueType  # 2
+    """Some claim there is not durable yet, or an entry waits to be sealed."""
+    CELL_NO_CHECKPOINT: _CellDurability.ValueType  # 3
+    """Nothing was ever claimed under <watch>/<cell>/ (checked once the cell's job has been over
+    for the settle time): no checkpoint of it can be safe.
+    """
+
+class CellDurability(_CellDurability, metaclass=_CellDurabilityEnumTypeWrapper): ...
+
+CELL_DURABILITY_UNSPECIFIED: CellDurability.ValueType  # 0
+CELL_DURABLE: CellDurability.ValueType  # 1
+"""Every claim under <watch>/<cell>/ is durable and nothing there waits to be sealed."""
+CELL_PUSHING: CellDurability.ValueType  # 2
+"""Some claim there is not durable yet, or an entry waits to be sealed."""
+CELL_NO_CHECKPOINT: CellDurability.ValueType  # 3
+"""Nothing was ever claimed under <watch>/<cell>/ (checked once the cell's job has been over
+for the settle time): no checkpoint of it can be safe.
+"""
+Global___CellDurability: _TypeAlias = CellDurability  # noqa: Y015
+
+class _QueueResult:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _QueueResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_QueueResult.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    QUEUE_RESULT_UNSPECIFIED: _QueueResult.ValueType  # 0
+    QUEUE_RUNNING: _QueueResult.ValueType  # 1
+    """A cell is pending or running."""
+    QUEUE_PUSHING: _QueueResult.ValueType  # 2
+    """Every cell ended and finished, but some cell's checkpoints are not all durable yet."""
+    QUEUE_OK: _QueueResult.ValueType  # 3
+    """Every cell finished and every one's checkpoints are durable."""
+    QUEUE_FAILED: _QueueResult.ValueType  # 4
+    """Some cell failed or was cancelled, or finished without any checkpoint (once nothing runs)."""
+
+class QueueResult(_QueueResult, metaclass=_QueueResultEnumTypeWrapper): ...
+
+QUEUE_RESULT_UNSPECIFIED: QueueResult.ValueType  # 0
+QUEUE_RUNNING: QueueResult.ValueType  # 1
+"""A cell is pending or running."""
+QUEUE_PUSHING: QueueResult.ValueType  # 2
+"""Every cell ended and finished, but some cell's checkpoints are not all durable yet."""
+QUEUE_OK: QueueResult.ValueType  # 3
+"""Every cell finished and every one's checkpoints are durable."""
+QUEUE_FAILED: QueueResult.ValueType  # 4
+"""Some cell failed or was cancelled, or finished without any checkpoint (once nothing runs)."""
+Global___QueueResult: _TypeAlias = QueueResult  # noqa: Y015
 
 @_typing.final
 class SidecarConfig(_message.Message):
@@ -1606,6 +1713,9 @@ class ListJobsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CALLER_FIELD_NUMBER: _builtins.int
+    QUEUES_ONLY_FIELD_NUMBER: _builtins.int
+    queues_only: _builtins.bool
+    """Only the queues: no jobs and no stray scan (cheap enough for a controller that waits on a queue)."""
     @_builtins.property
     def caller(self) -> Global___Caller:
         """Absent when the caller does not run on the box."""
@@ -1614,10 +1724,11 @@ class ListJobsRequest(_message.Message):
         self,
         *,
         caller: Global___Caller | None = ...,
+        queues_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "queues_only", b"queues_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1667,23 +1778,335 @@ class ListJobsResponse(_message.Message):
 
     JOBS_FIELD_NUMBER: _builtins.int
     STRAYS_FIELD_NUMBER: _builtins.int
+    QUEUES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Job]: ...
     @_builtins.property
     def strays(self) -> _containers.RepeatedCompositeFieldContainer[Global___Stray]: ...
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedCompositeFieldContainer[Global___Queue]:
+        """Every queue this box has run or runs, newest first."""
+
     def __init__(
         self,
         *,
         jobs: _abc.Iterable[Global___Job] | None = ...,
         strays: _abc.Iterable[Global___Stray] | None = ...,
+        queues: _abc.Iterable[Global___Queue] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "strays", b"strays"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "queues", b"queues", "strays", b"strays"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListJobsResponse: _TypeAlias = ListJobsResponse  # noqa: Y015
+
+@_typing.final
+class QueueCell(_message.Message):
+    """---------------------------------------------------------------------------------------------
+    Cell queues: cells run one after another, each as a job with its cell set. A cell that finished
+    (exited 0) on this box, in this queue or any other, is never started again by a queue.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    CELL_FIELD_NUMBER: _builtins.int
+    ARGV_FIELD_NUMBER: _builtins.int
+    CWD_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    cell: _builtins.str
+    """The roster cell (one path component: its checkpoints go to <watch>/<cell>/)."""
+    cwd: _builtins.str
+    """Working directory; empty: the configured workdir."""
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Program and arguments, as StartJobRequest.argv; every "{cell}" in them is replaced by the cell."""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        cell: _builtins.str = ...,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+        cwd: _builtins.str = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv", "cell", b"cell", "cwd", b"cwd", "env", b"env"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueCell: _TypeAlias = QueueCell  # noqa: Y015
+
+@_typing.final
+class StartQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CELLS_FIELD_NUMBER: _builtins.int
+    RESTART_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    RESTART_BACKOFF_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The queue's name (one path component). Asking again for a queue that exists continues it:
+    while it runs, with the same cells, nothing changes; once it ended, its cells that did not
+    finish are queued again (finished ones never are). Different cells under the name of a
+    running queue are refused.
+    """
+    restart: _builtins.str
+    """Each cell's restart policy, as in StartJobRequest."""
+    max_restarts: _builtins.int
+    restart_backoff_s: _builtins.float
+    @_builtins.property
+    def cells(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueCell]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        cells: _abc.Iterable[Global___QueueCell] | None = ...,
+        restart: _builtins.str = ...,
+        max_restarts: _builtins.int = ...,
+        restart_backoff_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cells", b"cells", "max_restarts", b"max_restarts", "name", b"name", "restart", b"restart", "restart_backoff_s", b"restart_backoff_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartQueueRequest: _TypeAlias = StartQueueRequest  # noqa: Y015
+
+@_typing.final
+class StartQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    STARTED_FIELD_NUMBER: _builtins.int
+    started: _builtins.bool
+    """The queue was created or queued again now (false: it was running already with these cells)."""
+    @_builtins.property
+    def queue(self) -> Global___Queue: ...
+    def __init__(
+        self,
+        *,
+        queue: Global___Queue | None = ...,
+        started: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue", "started", b"started"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartQueueResponse: _TypeAlias = StartQueueResponse  # noqa: Y015
+
+@_typing.final
+class StopQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    grace_s: _builtins.int
+    """As StopJobRequest.grace_s, for the running cell's job."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        grace_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopQueueRequest: _TypeAlias = StopQueueRequest  # noqa: Y015
+
+@_typing.final
+class StopQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queue(self) -> Global___Queue: ...
+    def __init__(
+        self,
+        *,
+        queue: Global___Queue | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StopQueueResponse: _TypeAlias = StopQueueResponse  # noqa: Y015
+
+@_typing.final
+class QueuedCell(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPEC_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    DURABILITY_FIELD_NUMBER: _builtins.int
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    DURABLE_CLAIMS_FIELD_NUMBER: _builtins.int
+    state: Global___CellState.ValueType
+    job_id: _builtins.str
+    """The job that ran (or runs) this cell in this pass; for SKIPPED, the job that finished it."""
+    exit_code: _builtins.int
+    """Valid when state is DONE or FAILED and the job exited: its status (negative: the signal)."""
+    detail: _builtins.str
+    """Why it failed, or was skipped or cancelled."""
+    durability: Global___CellDurability.ValueType
+    """For DONE and SKIPPED cells (UNSPECIFIED otherwise)."""
+    claims: _builtins.int
+    """Claims under the cell's directories, and how many of those are durable."""
+    durable_claims: _builtins.int
+    @_builtins.property
+    def spec(self) -> Global___QueueCell: ...
+    def __init__(
+        self,
+        *,
+        spec: Global___QueueCell | None = ...,
+        state: Global___CellState.ValueType = ...,
+        job_id: _builtins.str = ...,
+        exit_code: _builtins.int = ...,
+        detail: _builtins.str = ...,
+        durability: Global___CellDurability.ValueType = ...,
+        claims: _builtins.int = ...,
+        durable_claims: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims", "detail", b"detail", "durability", b"durability", "durable_claims", b"durable_claims", "exit_code", b"exit_code", "job_id", b"job_id", "spec", b"spec", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueuedCell: _TypeAlias = QueuedCell  # noqa: Y015
+
+@_typing.final
+class Queue(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CELLS_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    PASSES_FIELD_NUMBER: _builtins.int
+    CREATED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    ENDED_AT_UNIX_NS_FIELD_NUMBER: _builtins.int
+    RESTART_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    RESTART_BACKOFF_S_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    result: Global___QueueResult.ValueType
+    stopped: _builtins.bool
+    """The queue was stopped (StopQueue); it starts nothing more until asked again."""
+    passes: _builtins.int
+    """How many times it was asked to run (1 at first; each StartQueue after it ended adds one)."""
+    created_at_unix_ns: _builtins.int
+    ended_at_unix_ns: _builtins.int
+    restart: _builtins.str
+    max_restarts: _builtins.int
+    restart_backoff_s: _builtins.float
+    @_builtins.property
+    def cells(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueuedCell]: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        cells: _abc.Iterable[Global___QueuedCell] | None = ...,
+        result: Global___QueueResult.ValueType = ...,
+        stopped: _builtins.bool = ...,
+        passes: _builtins.int = ...,
+        created_at_unix_ns: _builtins.int = ...,
+        ended_at_unix_ns: _builtins.int = ...,
+        restart: _builtins.str = ...,
+        max_restarts: _builtins.int = ...,
+        restart_backoff_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cells", b"cells", "created_at_unix_ns", b"created_at_unix_ns", "ended_at_unix_ns", b"ended_at_unix_ns", "max_restarts", b"max_restarts", "name", b"name", "passes", b"passes", "restart", b"restart", "restart_backoff_s", b"restart_backoff_s", "result", b"result", "stopped", b"stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Queue: _TypeAlias = Queue  # noqa: Y015
+
+@_typing.final
+class ReapProcessRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    GRACE_S_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    grace_s: _builtins.int
+    """Seconds between SIGTERM and SIGKILL. 0 means the default, 10."""
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        grace_s: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grace_s", b"grace_s", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapProcessRequest: _TypeAlias = ReapProcessRequest  # noqa: Y015
+
+@_typing.final
+class ReapProcessResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GONE_FIELD_NUMBER: _builtins.int
+    DETAIL_FIELD_NUMBER: _builtins.int
+    gone: _builtins.bool
+    """The process is gone (checked in /proc after the signals)."""
+    detail: _builtins.str
+    """What was done: the GPU memory it held, the signals sent."""
+    def __init__(
+        self,
+        *,
+        gone: _builtins.bool = ...,
+        detail: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "gone", b"gone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReapProcessResponse: _TypeAlias = ReapProcessResponse  # noqa: Y015
 
 @_typing.final
 class TailLogRequest(_message.Message):

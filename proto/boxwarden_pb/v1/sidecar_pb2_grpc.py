@@ -96,6 +96,21 @@ class SidecarStub(object):
                 request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.SerializeToString,
                 response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.FromString,
                 _registered_method=True)
+        self.StartQueue = channel.unary_unary(
+                '/boxwarden_pb.v1.Sidecar/StartQueue',
+                request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueRequest.SerializeToString,
+                response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueResponse.FromString,
+                _registered_method=True)
+        self.StopQueue = channel.unary_unary(
+                '/boxwarden_pb.v1.Sidecar/StopQueue',
+                request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueRequest.SerializeToString,
+                response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueResponse.FromString,
+                _registered_method=True)
+        self.ReapProcess = channel.unary_unary(
+                '/boxwarden_pb.v1.Sidecar/ReapProcess',
+                request_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessRequest.SerializeToString,
+                response_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessResponse.FromString,
+                _registered_method=True)
 
 
 class SidecarServicer(object):
@@ -200,6 +215,29 @@ class SidecarServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartQueue(self, request, context):
+        """Queues cells to run one after another (see StartQueueRequest). A queue survives a sidecar
+        restart and continues where it stood; ListJobs lists the queues with their cells.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopQueue(self, request, context):
+        """Stops a queue: no further cell starts, and its running cell's job is stopped like StopJob.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReapProcess(self, request, context):
+        """Ends a process that holds GPU memory outside every supervised job (a VRAM_ZOMBIE of the latest
+        GPU reading, and nothing else): SIGTERM, then SIGKILL after the grace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SidecarServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +300,21 @@ def add_SidecarServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.FromString,
                     response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.SerializeToString,
+            ),
+            'StartQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartQueue,
+                    request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueRequest.FromString,
+                    response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueResponse.SerializeToString,
+            ),
+            'StopQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopQueue,
+                    request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueRequest.FromString,
+                    response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueResponse.SerializeToString,
+            ),
+            'ReapProcess': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReapProcess,
+                    request_deserializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessRequest.FromString,
+                    response_serializer=boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +643,87 @@ class Sidecar(object):
             '/boxwarden_pb.v1.Sidecar/Drain',
             boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainRequest.SerializeToString,
             boxwarden__pb_dot_v1_dot_sidecar__pb2.DrainProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/boxwarden_pb.v1.Sidecar/StartQueue',
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueRequest.SerializeToString,
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.StartQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/boxwarden_pb.v1.Sidecar/StopQueue',
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueRequest.SerializeToString,
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.StopQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReapProcess(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/boxwarden_pb.v1.Sidecar/ReapProcess',
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessRequest.SerializeToString,
+            boxwarden__pb_dot_v1_dot_sidecar__pb2.ReapProcessResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -96,6 +96,16 @@ class SidecarStub:
     one message at once, then (with wait) one per second until nothing is at risk or timeout_s
     passed; the last message has done set.
     """
+    StartQueue: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.StartQueueRequest, _sidecar_pb2.StartQueueResponse]
+    """Queues cells to run one after another (see StartQueueRequest). A queue survives a sidecar
+    restart and continues where it stood; ListJobs lists the queues with their cells.
+    """
+    StopQueue: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.StopQueueRequest, _sidecar_pb2.StopQueueResponse]
+    """Stops a queue: no further cell starts, and its running cell's job is stopped like StopJob."""
+    ReapProcess: _grpc.UnaryUnaryMultiCallable[_sidecar_pb2.ReapProcessRequest, _sidecar_pb2.ReapProcessResponse]
+    """Ends a process that holds GPU memory outside every supervised job (a VRAM_ZOMBIE of the latest
+    GPU reading, and nothing else): SIGTERM, then SIGKILL after the grace.
+    """
 
 @_typing.type_check_only
 class SidecarAsyncStub(SidecarStub):
@@ -144,6 +154,16 @@ class SidecarAsyncStub(SidecarStub):
     """Push every current claim that is not durable now, newest first, and say what is still at risk:
     one message at once, then (with wait) one per second until nothing is at risk or timeout_s
     passed; the last message has done set.
+    """
+    StartQueue: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.StartQueueRequest, _sidecar_pb2.StartQueueResponse]  # type: ignore[assignment]
+    """Queues cells to run one after another (see StartQueueRequest). A queue survives a sidecar
+    restart and continues where it stood; ListJobs lists the queues with their cells.
+    """
+    StopQueue: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.StopQueueRequest, _sidecar_pb2.StopQueueResponse]  # type: ignore[assignment]
+    """Stops a queue: no further cell starts, and its running cell's job is stopped like StopJob."""
+    ReapProcess: _aio.UnaryUnaryMultiCallable[_sidecar_pb2.ReapProcessRequest, _sidecar_pb2.ReapProcessResponse]  # type: ignore[assignment]
+    """Ends a process that holds GPU memory outside every supervised job (a VRAM_ZOMBIE of the latest
+    GPU reading, and nothing else): SIGTERM, then SIGKILL after the grace.
     """
 
 class SidecarServicer(metaclass=_abc_1.ABCMeta):
@@ -262,6 +282,34 @@ class SidecarServicer(metaclass=_abc_1.ABCMeta):
         """Push every current claim that is not durable now, newest first, and say what is still at risk:
         one message at once, then (with wait) one per second until nothing is at risk or timeout_s
         passed; the last message has done set.
+        """
+
+    @_abc_1.abstractmethod
+    def StartQueue(
+        self,
+        request: _sidecar_pb2.StartQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.StartQueueResponse, _abc.Awaitable[_sidecar_pb2.StartQueueResponse]]:
+        """Queues cells to run one after another (see StartQueueRequest). A queue survives a sidecar
+        restart and continues where it stood; ListJobs lists the queues with their cells.
+        """
+
+    @_abc_1.abstractmethod
+    def StopQueue(
+        self,
+        request: _sidecar_pb2.StopQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.StopQueueResponse, _abc.Awaitable[_sidecar_pb2.StopQueueResponse]]:
+        """Stops a queue: no further cell starts, and its running cell's job is stopped like StopJob."""
+
+    @_abc_1.abstractmethod
+    def ReapProcess(
+        self,
+        request: _sidecar_pb2.ReapProcessRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_sidecar_pb2.ReapProcessResponse, _abc.Awaitable[_sidecar_pb2.ReapProcessResponse]]:
+        """Ends a process that holds GPU memory outside every supervised job (a VRAM_ZOMBIE of the latest
+        GPU reading, and nothing else): SIGTERM, then SIGKILL after the grace.
         """
 
 def add_SidecarServicer_to_server(servicer: SidecarServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
