@@ -59,6 +59,11 @@ def config_for(box: Box) -> pb.SidecarConfig:
         keep=box.keep,
         drain_grace_s=box.drain_grace_s,
         push_rate_bytes_s=box.push_rate,
+        stall_s=box.stall_s,
+        step_regex=box.step_regex,
+        loss_regex=box.loss_regex,
+        memory_high_percent=box.memory_high_percent,
+        metrics_port=box.metrics_port,
     )
 
 
@@ -96,11 +101,18 @@ def start_request(box: Box, checks: dict[str, Any], *, start: bool = True) -> di
 
 
 async def up(
-    box: Box, conn: Connector, checks: dict[str, Any], *, credentials: str | None = None
+    box: Box,
+    conn: Connector,
+    checks: dict[str, Any],
+    *,
+    credentials: str | None = None,
+    reconfigure: bool = False,
 ) -> UpResult:
     """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
     default, the profile's checks and inode floor). `credentials`: the durable store's, written
-    0600 where the config says before the sidecar starts (over the request's stdin: never argv)."""
+    0600 where the config says before the sidecar starts (over the request's stdin: never argv).
+    `reconfigure`: a running sidecar of this version is restarted too, to read a changed config
+    (its jobs and queues go on: they outlive it)."""
     req = start_request(box, checks)
     if credentials is not None:
         req["durable_credentials"] = credentials
@@ -113,19 +125,22 @@ async def up(
                 f"a sidecar (pid {answer['running']}) holds {box.state_dir} but does not answer; stop it, "
                 "or wait for it to finish starting, and run `up` again"
             )
-        if running.version == __version__:
+        if running.version == __version__ and not reconfigure:
             note = ""
             if list(running.watch_dirs) != list(box.watch) or running.durable_url != box.durable:
                 note = (
                     "the running sidecar keeps its own watch dirs and durable URL; `down` it to change them"
                 )
             return UpResult(hello=running, started=False, note=note, findings=findings)
-        logger.info("sidecar runs version %s, restarting with %s", running.version, __version__)
+        logger.info(
+            "restarting the sidecar (version %s) with version %s and its config", running.version, __version__
+        )
         async with SidecarClient(await conn.target()) as c:
             await c.shutdown()
         if not await wait_gone(box, conn, running.pid, deadline_s=STOP_DEADLINE_S):
             raise ControllerError(
-                f"the sidecar of version {running.version} (pid {running.pid}) did not stop after Shutdown; "
+                f"the running sidecar (version {running.version}, pid {running.pid}) did not stop after "
+                "Shutdown; "
                 f"see {Path(box.state_dir).parent}/sidecar.log on the box"
             )
         answer = await launch(conn, "start", req)

@@ -7,6 +7,7 @@ plain rows the renderer shows.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import time
@@ -101,9 +102,11 @@ async def up(
     durable_credentials: Path | None = None,
     keep: str | None = None,
     push_rate: str | None = None,
+    health: HealthOptions | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
+    (health or HealthOptions()).check()
     if keep is not None:
         check_keep(keep)
     rate = parse_push_rate(push_rate) if push_rate is not None else None
@@ -209,6 +212,7 @@ async def up(
         roster=tuple(roster),
         exclude=tuple(exclude) or (live.exclude if live is not None else ()),
         keep=keep if keep is not None else (live.keep if live is not None else ""),
+        health=(health or HealthOptions()).merged(live),
         push_rate=rate if rate is not None else (live.push_rate if live is not None else 0),
         host=host or "",
         options=options,
@@ -224,7 +228,8 @@ async def up(
     conn = reach.ssh_connector(host, options, spec.ssh_config, home=state.home, name=name)
     try:
         on_durable = state_on_durable or (live is not None and live.state_on_durable)
-        extras = ("s3",) if bucket else ()  # the sidecar's venv there needs boto3 for a bucket
+        # The sidecar's venv there needs boto3 for a bucket, prometheus_client for its metrics.
+        extras = (*(("metrics",) if spec.health.metrics_port else ()), *(("s3",) if bucket else ()))
         where, default_url = await _remote_where(
             state, name, conn, host, prof, box_dir, box_index, on_durable, extras
         )
@@ -234,6 +239,44 @@ async def up(
 
 
 REMOTE_KINDS = ("ssh", "ssh-rental", "cloud-api")
+
+
+@dataclass(frozen=True)
+class HealthOptions:
+    """`up`'s health settings (None: keep the box's; a new box: the sidecar's default)."""
+
+    stall_s: int | None = None
+    step_regex: str | None = None
+    loss_regex: str | None = None
+    memory_high_percent: int | None = None
+    metrics_port: int | None = None
+
+    def check(self) -> None:
+        for pattern, group, flag in (
+            (self.step_regex, "step", "--step-regex"),
+            (self.loss_regex, "loss", "--loss-regex"),
+        ):
+            if pattern is None:
+                continue
+            try:
+                compiled = re.compile(pattern)
+            except re.error as e:
+                raise UsageError(f"{flag} {pattern!r} is not a regular expression: {e}") from None
+            if group not in compiled.groupindex:
+                raise UsageError(
+                    f"{flag} {pattern!r} needs a named group (?P<{group}>...) around the {group}"
+                )
+
+    @classmethod
+    def of(cls, box: Box) -> HealthOptions:
+        return cls(box.stall_s, box.step_regex, box.loss_regex, box.memory_high_percent, box.metrics_port)
+
+    def merged(self, live: Box | None) -> HealthOptions:
+        """Each setting given, else the live box's, else the default ("" or 0): none left None."""
+        base = HealthOptions.of(live) if live is not None else HealthOptions(0, "", "", 0, 0)
+        return dataclasses.replace(
+            base, **{f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+        )
 
 
 @dataclass(frozen=True)
@@ -258,6 +301,7 @@ class UpSpec:
     ssh_config: str
     credentials: str | None = None  # the text of --durable-credentials (never shown, never kept here)
     keep: str = ""  # retention rules (`--keep`), checked as text; the sidecar reads them
+    health: HealthOptions = HealthOptions(0, "", "", 0, 0)  # every setting resolved (see merged)
     push_rate: int = 0  # bytes/s of the box's pushes (`--push-rate`); 0: the sidecar's default, -1: none
 
 
@@ -380,13 +424,21 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         ssh_config=spec.ssh_config,
         python=where.python,
         state_on_durable=where.state_on_durable,
+        stall_s=spec.health.stall_s or 0,
+        step_regex=spec.health.step_regex or "",
+        loss_regex=spec.health.loss_regex or "",
+        memory_high_percent=spec.health.memory_high_percent or 0,
+        metrics_port=spec.health.metrics_port or 0,
     )
+    # Health settings the running sidecar does not have: it is restarted to read them (its jobs
+    # and queues go on).
+    reconfigure = live is not None and HealthOptions.of(live) != spec.health
     box_checks = {
         **checks.box_side_request(prof, durable_dir=target.is_dir),
         "durable_dir": facts["durable"] if target.is_dir else "",
         "own_default": url == default_url,
     }
-    res = await bootstrap.up(box, conn, box_checks, credentials=spec.credentials)
+    res = await bootstrap.up(box, conn, box_checks, credentials=spec.credentials, reconfigure=reconfigure)
     findings += [checks.Finding.from_json(f) for f in res.findings]
     if not res.started and old is not None:
         box = box.with_(

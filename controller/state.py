@@ -92,6 +92,12 @@ class Box:
         0  # bytes/s the box's pushes keep to (`up --push-rate`); 0: the sidecar's default, -1: none
     )
     drain_grace_s: int = 0  # the profile's SIGTERM-to-SIGKILL grace the sidecar drains in (0: its default)
+    # Health settings (`up --stall-minutes` ...); 0 or "": the sidecar's default.
+    stall_s: int = 0  # JOB_STALLED after this long without a log line or a checkpoint
+    step_regex: str = ""  # the step in a job's log: a regex with a group (?P<step>...)
+    loss_regex: str = ""  # the loss: a regex with a group (?P<loss>...)
+    memory_high_percent: int = 0  # MEMORY_HIGH over this share of the box's memory limit
+    metrics_port: int = 0  # the Prometheus endpoint on the box's 127.0.0.1 (0: none)
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

@@ -48,7 +48,15 @@ from controller.state import default_home
 
 logger = logging.getLogger(__name__)
 
-SIDECAR_REQUIREMENTS: tuple[str, ...] = ("grpcio>=1.80", "protobuf>=6.31", "blake3>=1.0", "watchdog>=6.0")
+# nvidia-ml-py (pure Python, imported lazily): a rented box is a GPU box, and without it the sidecar
+# has no GPU readings at all; on a box without a driver it is simply not used.
+SIDECAR_REQUIREMENTS: tuple[str, ...] = (
+    "grpcio>=1.80",
+    "protobuf>=6.31",
+    "blake3>=1.0",
+    "watchdog>=6.0",
+    "nvidia-ml-py>=12.0",
+)
 SIDECAR_DIST = "boxwarden-sidecar"
 SIDECAR_PACKAGES = ("boxwarden_pb", "sidecar")
 SIDECAR_SCRIPT = "boxwarden-sidecar = sidecar.__main__:main"
@@ -56,8 +64,9 @@ SIDECAR_SCRIPT = "boxwarden-sidecar = sidecar.__main__:main"
 EXTRA_DOWNLOADS = ("pip",)
 
 # The sidecar's optional extras, by name: what a box needs only for some configurations (boto3 for
-# an s3:// durable store). A wheelhouse (and so a venv) with an extra is another one than without.
-EXTRAS: dict[str, tuple[str, ...]] = {"s3": ("boto3>=1.34",)}
+# an s3:// durable store, prometheus_client for `up --metrics-port`). A wheelhouse (and so a venv)
+# with an extra is another one than without.
+EXTRAS: dict[str, tuple[str, ...]] = {"s3": ("boto3>=1.34",), "metrics": ("prometheus-client>=0.20",)}
 
 
 def _wanted(extras: tuple[str, ...]) -> tuple[str, ...]:

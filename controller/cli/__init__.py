@@ -61,6 +61,7 @@ COMMANDS = (
     "profiles",
     "reap",
     "queue",
+    "metrics",
 )
 
 

@@ -103,6 +103,37 @@ from controller.state import exclusive
     "slowed a CPU-bound trainer's steps by 10-25%, at the default 400M by ~3%. A drain (SIGTERM, "
     "`boxwarden drain --wait`) and the re-reads of `down` always go at full speed.",
 )
+@click.option(
+    "--stall-minutes",
+    type=click.FloatRange(min=1, max=7 * 24 * 60),
+    help="JOB_STALLED when a running job wrote no log line and no checkpoint for this long. Default: 30.",
+)
+@click.option(
+    "--step-regex",
+    metavar="REGEX",
+    help="The step in a job's log, as a Python regex with a group (?P<step>...). Default: HF Trainer, "
+    "Lightning, tqdm and `step N` lines.",
+)
+@click.option(
+    "--loss-regex",
+    metavar="REGEX",
+    help="The loss in a job's log, with a group (?P<loss>...). Default: `loss=X`, `loss: X`, `'loss': X`.",
+)
+@click.option(
+    "--memory-high",
+    "memory_high_percent",
+    type=click.IntRange(1, 100),
+    metavar="PERCENT",
+    help="MEMORY_HIGH over this share of the box's memory limit (its cgroup's, else the host's). "
+    "Default: 90.",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    metavar="PORT",
+    help="Serve Prometheus metrics on the box's 127.0.0.1:PORT (0: none, the default); `boxwarden "
+    "metrics NAME` forwards it here from a remote box.",
+)
 @roster_option
 @json_flag
 def command(
@@ -123,6 +154,11 @@ def command(
     exclude: tuple[str, ...],
     keep: str | None,
     push_rate: str | None,
+    stall_minutes: float | None,
+    step_regex: str | None,
+    loss_regex: str | None,
+    memory_high_percent: int | None,
+    metrics_port: int | None,
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
@@ -153,6 +189,13 @@ def command(
                 durable_credentials=durable_credentials,
                 keep=keep,
                 push_rate=push_rate,
+                health=boxes.HealthOptions(
+                    stall_s=round(stall_minutes * 60) if stall_minutes is not None else None,
+                    step_regex=step_regex,
+                    loss_regex=loss_regex,
+                    memory_high_percent=memory_high_percent,
+                    metrics_port=metrics_port,
+                ),
             )
         )
     if as_json:

@@ -124,7 +124,7 @@ class SshConnector:
         if self._tunnel is not None and self._tunnel.returncode is None:
             return f"ipv4:127.0.0.1:{self._port}"
         for _attempt in range(3):
-            self._port = _free_port()
+            self._port = free_port()
             master.private_dir(self._dir)
             log = os.open(self._log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
@@ -229,7 +229,7 @@ def _kill(proc: asyncio.subprocess.Process, sig: int = signal.SIGKILL) -> None:
         proc.send_signal(sig)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

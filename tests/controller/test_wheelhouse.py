@@ -210,7 +210,7 @@ def test_the_sidecar_wheel_carries_the_sources_and_correct_metadata(tmp_path: Pa
     assert metadata["Requires-Python"] == ">=3.9"
     extra = [f'{r}; extra == "{e}"' for e in sorted(EXTRAS) for r in EXTRAS[e]]
     assert metadata.get_all("Requires-Dist") == [*SIDECAR_REQUIREMENTS, *extra]
-    assert metadata.get_all("Provides-Extra") == sorted(EXTRAS) == ["s3"]
+    assert metadata.get_all("Provides-Extra") == sorted(EXTRAS) == ["metrics", "s3"]
     wheel = HeaderParser().parsestr(entries[f"{info}/WHEEL"].decode())
     assert (wheel["Root-Is-Purelib"], wheel["Tag"]) == ("true", "py3-none-any")
     scripts = configparser.ConfigParser()

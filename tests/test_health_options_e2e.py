@@ -1,0 +1,118 @@
+"""The sidecar's health settings given at `up` (--stall-minutes, --step-regex, --loss-regex,
+--memory-high, --metrics-port) reach its config; changing them restarts the sidecar (its jobs go on)
+and keeping them leaves it alone; `metrics NAME` names the endpoint, proven by a real scrape, and
+over SSH forwards a remote box's port here until it is interrupted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from controller.ssh.connector import free_port
+from tests.conftest import Bw, pid_alive, wait_until
+from tests.test_remote_e2e import Remote, remote, venv_template, wheel_cache  # noqa: F401 - fixtures
+
+
+def scrape(url: str) -> set[str]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {f.name for f in text_string_to_metric_families(text)}
+
+
+def config(bw: Bw, name: str) -> dict[str, object]:
+    return dict(json.loads((bw.home / "boxes" / name / "sidecar.json").read_text()))
+
+
+def test_health_settings_reach_the_sidecar_and_a_change_restarts_it(bw: Bw) -> None:
+    port = free_port()
+    bw.up(
+        "h1",
+        "--stall-minutes",
+        "5",
+        "--step-regex",
+        r"it (?P<step>\d+)",
+        "--memory-high",
+        "80",
+        "--metrics-port",
+        str(port),
+    )
+    cfg = config(bw, "h1")
+    assert (cfg["stallS"], cfg["stepRegex"], cfg["memoryHighPercent"], cfg["metricsPort"]) == (
+        300,
+        r"it (?P<step>\d+)",
+        80,
+        port,
+    )
+    doc = bw.json("metrics", "h1")
+    assert doc == {"box": "h1", "url": f"http://127.0.0.1:{port}/metrics", "forwarded": False}
+    assert "boxwarden_claims_sealed" in scrape(doc["url"])
+
+    r = bw("run", "h1", "--json", "--", sys.executable, "-c", "import time; time.sleep(600)")
+    job = json.loads(r.stdout)
+    (before,) = bw.sidecar_pids()
+    bw.up("h1")  # the same settings: left alone
+    assert bw.sidecar_pids() == [before]
+    bw.up("h1", "--stall-minutes", "10")  # a change: restarted to read it; the rest is kept
+    (after,) = bw.sidecar_pids()
+    assert after != before and not pid_alive(before)
+    cfg = config(bw, "h1")
+    assert (cfg["stallS"], cfg["stepRegex"], cfg["metricsPort"]) == (600, r"it (?P<step>\d+)", port)
+    assert pid_alive(job["pid"])  # the job outlived the restart, and the new sidecar follows it
+    assert bw.json("status", "h1")["boxes"][0]["jobs_running"] == 1
+    bw.ok("stop", "h1", job["id"], "--grace", "1")
+
+
+def test_bad_health_settings_are_refused_before_anything_starts(bw: Bw) -> None:
+    r = bw("up", "h2", "--profile", "local", "--watch", "ckpt", "--step-regex", r"step (\d+)")
+    assert r.returncode == 2 and "needs a named group (?P<step>...)" in r.stderr
+    r = bw("up", "h2", "--profile", "local", "--watch", "ckpt", "--loss-regex", "loss=(")
+    assert r.returncode == 2 and "--loss-regex 'loss=(' is not a regular expression" in r.stderr
+    r = bw("up", "h2", "--profile", "local", "--watch", "ckpt", "--memory-high", "0")
+    assert r.returncode == 2
+    assert not bw.sidecar_pids()
+    bw.up("h2")
+    r = bw("metrics", "h2")
+    assert r.returncode == 2 and "serves no metrics" in r.stderr and "--metrics-port PORT" in r.stderr
+
+
+def test_a_remote_boxs_metrics_are_forwarded_here_until_interrupted(remote: Remote) -> None:  # noqa: F811
+    box = remote.boxes("m1")
+    remote.up(box, "--metrics-port", str(free_port()), seeded=True)
+    local = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "metrics", box.alias, "--port", str(local), "--json"],
+        cwd=remote.bw.cwd,
+        env=remote.bw.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        doc = json.loads(proc.stdout.readline())
+        assert doc == {"box": box.alias, "url": f"http://127.0.0.1:{local}/metrics", "forwarded": True}
+        assert "boxwarden_claims_sealed" in scrape(doc["url"])
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 130
+        # The forward ended with it: nothing listens on the port any more.
+        wait_until(lambda: _refused(local), timeout=10, what="the forward to close")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def _refused(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
