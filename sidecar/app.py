@@ -243,17 +243,37 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         s.watch_dirs, s.temp_patterns, s.exclude_patterns, root_signatures=_mount_signatures(ledger, s)
     )
 
+    sealer = Sealer(
+        namer=namer,
+        ledger=ledger,
+        store=store,
+        executor=executor,
+        scan_executor=scan_executor,
+        settle_s=s.settle_s,
+        notify=journal.ring,
+        ahead_min_bytes=s.ahead_min_bytes,
+    )
+    # A checkpoint's path components before its own: the cell (and the watched dir's name).
+    skip = 2 if len(s.watch_dirs) > 1 else 1
+
     async def resume_for(job: JobRecord) -> str:
         """The checkpoint a restarted job resumes from: its cell's (<watch>/<cell>/) newest durable
-        one that still looks whole on the box; "" for none."""
+        one, file or directory, that is still whole on the box; "" for none."""
         # A job without a cell: only what lies under its working directory, if that is watched
         # (never another job's checkpoints).
         dirs = [w / job.cell for w in s.watch_dirs] if job.cell else [Path(job.cwd)]
         prefixes = tuple(p for p in (namer.dir_prefix(d) for d in dirs) if p is not None)
-        if not prefixes:
-            return ""
-        found = resume.candidates(ledger.current_claims(), prefixes, namer.to_abs)
-        return await asyncio.to_thread(resume.newest_loadable, found)
+        unsettled = sealer.dirty | sealer.busy_set()
+        found = resume.candidates(
+            ledger.current_claims(), prefixes, namer.to_abs, skip=skip, unsettled=unsettled
+        )
+        chosen = await asyncio.to_thread(resume.newest_loadable, found)
+        return str(chosen.path) if chosen is not None else ""
+
+    def resumed_from() -> list[str]:
+        """What running jobs were told to resume from, as artifact paths: kept on the box."""
+        named = (namer.to_artifact(Path(j.resume_from)) for j in jobs.running() if j.resume_from)
+        return [a for a in named if a]
 
     jobs = JobSupervisor(
         ledger,
@@ -265,16 +285,6 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         resume_from=resume_for,
     )
     await jobs.recover()
-    sealer = Sealer(
-        namer=namer,
-        ledger=ledger,
-        store=store,
-        executor=executor,
-        scan_executor=scan_executor,
-        settle_s=s.settle_s,
-        notify=journal.ring,
-        ahead_min_bytes=s.ahead_min_bytes,
-    )
     backlog = Backlog(
         ledger=ledger,
         push_pending=sealer.push_pending,
@@ -282,7 +292,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         bandwidth=sealer.bandwidth,
         pace=pace,
     )
-    retainer = Retainer(sealer, s.keep)
+    retainer = Retainer(sealer, s.keep, protected=resumed_from)
 
     async def running_jobs(caller: Caller | None) -> list[str]:
         lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]

@@ -66,6 +66,9 @@ class JobRecord:
     # When it is due to be started again (time.time_ns()), while it waits out its backoff; 0 when
     # no restart is due. Kept across a sidecar restart, which arms it again.
     restart_at_ns: int = 0
+    # The checkpoint this run was told to resume from (BOXWARDEN_RESUME_FROM; "" for none): retention
+    # keeps its box copy while the run lasts.
+    resume_from: str = ""
 
     @property
     def exit_path(self) -> Path:

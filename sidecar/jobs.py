@@ -307,6 +307,7 @@ class JobSupervisor:
         full_env: dict[str, str],
         policy: tuple[str, int, float] = ("never", 0, 0.0),
         restarts: int = 0,
+        resume: str = "",
     ) -> JobRecord:
         log_path = self._log_dir / f"{job_id}.log"
         try:
@@ -334,6 +335,7 @@ class JobSupervisor:
                 max_restarts=policy[1],
                 backoff_s=policy[2],
                 restarts=restarts,
+                resume_from=resume,
             )
             self._jobs[job_id] = job
         finally:
@@ -897,7 +899,7 @@ class JobSupervisor:
             self._starting.add(job.id)
             policy = (job.restart, job.max_restarts, job.backoff_s)
             launch = self._launch(
-                job.id, job.argv, job.cell, workdir, extra, executable, full_env, policy, attempt
+                job.id, job.argv, job.cell, workdir, extra, executable, full_env, policy, attempt, resume
             )
             await asyncio.shield(asyncio.ensure_future(launch))
         except Exception as e:

@@ -13,6 +13,7 @@ import asyncio
 import functools
 import logging
 import os
+from collections.abc import Callable, Iterable
 
 from sidecar.errors import SidecarError
 from sidecar.keep import MAX_METRICS, KeepRules, choose, read_metric
@@ -29,9 +30,14 @@ class Retainer:
     """Applies the rules after each change of the claims: one pass at a time, claim by claim under
     the sealer's per-path lock."""
 
-    def __init__(self, sealer: Sealer, rules: KeepRules) -> None:
+    def __init__(
+        self, sealer: Sealer, rules: KeepRules, protected: Callable[[], Iterable[str]] = tuple
+    ) -> None:
+        """`protected()`: artifact paths (a file, or a checkpoint's directory) whose box copies stay
+        now, whatever the rules say (what running jobs were told to resume from)."""
         self._s = sealer
         self.rules = rules
+        self._protected = protected
         self._skip = 2 if len(sealer.namer.roots) > 1 else 1
         self._seen_version = -1
 
@@ -46,7 +52,7 @@ class Retainer:
         """One pass; returns how many box-side copies it deleted."""
         ledger = self._s.ledger
         members = ledger.members
-        chosen = choose(ledger.current_claims(), self.rules, self._skip, self._metric)
+        chosen = self._spare(choose(ledger.current_claims(), self.rules, self._skip, self._metric))
         still = {c.id for c in chosen}
         retired = 0
         for c in chosen:
@@ -61,7 +67,9 @@ class Retainer:
                     still = {
                         x.id for x in choose(ledger.current_claims(), self.rules, self._skip, self._metric)
                     }
-                if c.id not in still:
+                if c.id not in still or not self._spare(
+                    [now]
+                ):  # a job may just have been told to resume from it
                     continue
                 why = await self._retire(now)
             if why:
@@ -71,6 +79,14 @@ class Retainer:
         if retired:
             self._s.notify()
         return retired
+
+    def _spare(self, chosen: list[ClaimRow]) -> list[ClaimRow]:
+        """`chosen` without what a running job resumes from."""
+        kept = tuple(self._protected())
+        if not kept:
+            return chosen
+        within = tuple(p + "/" for p in kept)
+        return [c for c in chosen if c.path not in kept and not c.path.startswith(within)]
 
     def _metric(self, c: ClaimRow) -> float | None:
         try:

@@ -277,3 +277,39 @@ def test_a_durable_only_copy_stays_the_retired_one_even_when_a_proof_of_it_faile
     kept = ledger.retired_copy("c/step-1.pt")
     assert kept is not None and kept.id == c.id
     ledger.close()
+
+
+def test_retention_keeps_what_a_running_job_was_told_to_resume_from(tmp_path: Path) -> None:
+    asyncio.run(_keeps_the_resume_source(tmp_path))
+
+
+async def _keeps_the_resume_source(tmp_path: Path) -> None:
+    watch, durable = tmp_path / "watch", tmp_path / "durable"
+    (watch / "c" / "checkpoint-2").mkdir(parents=True)
+    (watch / "c" / "checkpoint-4").mkdir(parents=True)
+    durable.mkdir()
+    store = open_store(durable.as_uri(), ("box", "run"))
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    files = ["c/step-1.pt", "c/checkpoint-2/model.safetensors", "c/checkpoint-2/state.json", "c/step-3.pt"]
+    files += ["c/checkpoint-4/model.safetensors"]
+    for art in files:
+        f = watch / art
+        f.write_bytes(os.urandom(1000))
+        staged = store.stage(f, art)
+        store.commit(staged)
+        c = ledger.add_claim(art, staged.size, staged.digest, FileIdentity.of(f.stat()))
+        assert ledger.mark_durable(c.id, "reread")
+    protected = ["c/step-1.pt", "c/checkpoint-2"]  # a file, and a checkpoint's directory
+    with ThreadPoolExecutor(2) as pool:
+        sealer = make_sealer(watch, ledger, store, pool, settle_s=0.05)
+        # `last=1` lets go of step 1 and checkpoint 2: what the jobs resume from stays.
+        assert await Retainer(sealer, parse_keep("last=1"), protected=lambda: protected).once() == 0
+        assert all((watch / art).exists() for art in files)
+        protected = []  # those runs ended
+        assert await Retainer(sealer, parse_keep("last=1"), protected=lambda: protected).once() == 3
+    assert sorted(str(p.relative_to(watch)) for p in watch.rglob("*") if p.is_file()) == [
+        "c/checkpoint-4/model.safetensors",
+        "c/step-3.pt",
+    ]
+    ledger.close()
+    store.close()
