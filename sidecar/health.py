@@ -105,6 +105,11 @@ class HostReading:
     memory: MemorySample
 
 
+LOG_TAIL = 1 << 20
+"""A job's log is followed from at most this far before its end when first seen (after a sidecar
+restart: from about now; an old NaN is not news)."""
+
+
 class JobLogs:
     """The progress of the running jobs, from their logs. `follow` (on the loop) names the logs;
     `poll` (on its probe thread only) reads what they gained and returns every job's progress."""
@@ -125,7 +130,8 @@ class JobLogs:
             self._followed.pop(job_id)[0].close()
         for job_id, log in wanted.items():
             if job_id not in self._followed:
-                self._followed[job_id] = (LogFollower(Path(log)), ProgressTracker(*self._patterns))
+                follower = LogFollower(Path(log), start_tail=LOG_TAIL)
+                self._followed[job_id] = (follower, ProgressTracker(*self._patterns))
             follower, tracker = self._followed[job_id]
             while True:
                 data = follower.read_new()

@@ -230,7 +230,10 @@ class LogFollower:
     `copytruncate` rotation can lose or repeat a stretch, as with `tail -F`.
     """
 
-    def __init__(self, path: Path, *, max_read: int = 1 << 20) -> None:
+    def __init__(self, path: Path, *, max_read: int = 1 << 20, start_tail: int | None = None) -> None:
+        """`start_tail`: the file found at the first open is read from at most this many bytes
+        before its end, from the first whole line there (a sidecar that starts again follows a
+        long-running job's log from about now, not from its first line)."""
         if max_read < 1:
             raise ValueError(f"max_read must be at least 1, not {max_read}")
         self.path = path
@@ -238,6 +241,8 @@ class LogFollower:
         self._fd: int | None = None
         self._ident = (0, 0)  # (st_dev, st_ino) of the open file
         self._pos = 0
+        self._tail = start_tail
+        self._partial = False  # the bytes up to the next newline are the rest of a line cut by the tail
 
     def read_new(self) -> bytes:
         """At most max_read bytes appended since the last call (the rest next time); b"" while the
@@ -281,11 +286,20 @@ class LogFollower:
             return None
         st = os.fstat(fd)
         self._fd, self._ident, self._pos = fd, (st.st_dev, st.st_ino), 0
+        if self._tail is not None and st.st_size > self._tail:
+            self._pos, self._partial = st.st_size - self._tail, True
+        self._tail = None  # only the file found first: a later one is new, read whole
         return fd
 
     def _read(self, fd: int) -> bytes:
         if os.fstat(fd).st_size < self._pos:
-            self._pos = 0
+            self._pos, self._partial = 0, False
         data = os.pread(fd, self._max_read, self._pos)
         self._pos += len(data)
+        if self._partial and data:
+            cut = data.find(b"\n")
+            if cut < 0:
+                return b""  # still inside the cut line (more is read at the next call)
+            self._partial = False
+            data = data[cut + 1 :]
         return data

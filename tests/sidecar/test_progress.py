@@ -331,3 +331,40 @@ def test_follower_feeds_a_tracker(tmp_path: Path) -> None:
             tracker.feed(chunk)
     assert (tracker.step, tracker.loss, tracker.lines, tracker.nonfinite_count) == (460, 0.125, 4, 1)
     assert tracker.last_nonfinite == "step 451 loss nan ✗ ünïcode"
+
+
+def test_a_follower_that_starts_late_reads_from_a_whole_line_near_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "job.log"
+    old = b"step 1 loss=nan\n" + b"".join(b"step %d loss=0.5\n" % i for i in range(2, 200_000))
+    log.write_bytes(old)
+    f = LogFollower(log, start_tail=64 << 10)
+    data = b""
+    while chunk := f.read_new():
+        data += chunk
+    assert 0 < len(data) <= 64 << 10
+    assert data.startswith(b"step ") and data.endswith(b"\n")  # the cut line is left out whole
+    assert b"nan" not in data and data.splitlines()[-1] == b"step 199999 loss=0.5"
+    with open(log, "ab") as out:
+        out.write(b"step 200000 loss=0.25\n")
+    assert f.read_new() == b"step 200000 loss=0.25\n"  # then every new byte, as before
+    f.close()
+    # A file found later (the first was replaced) is new: read from its beginning.
+    log.unlink()
+    log.write_bytes(b"step 1 loss=1.0\n")
+    assert f.read_new() == b"step 1 loss=1.0\n"
+    f.close()
+
+
+def test_job_logs_seen_for_the_first_time_do_not_report_an_old_nonfinite_loss(tmp_path: Path) -> None:
+    from sidecar.health import LOG_TAIL, JobLogs
+
+    log = tmp_path / "j1.log"
+    lines = [b"step 1 loss=nan\n"] + [b"step %d loss=0.5\n" % i for i in range(2, 2 * LOG_TAIL // 16)]
+    log.write_bytes(b"".join(lines))
+    logs = JobLogs(None, None)
+    logs.follow((("j1", str(log)),))
+    got = logs.poll()["j1"]
+    assert got.nonfinite_count == 0 and got.loss == 0.5 and got.step == len(lines)
+    with open(log, "ab") as out:
+        out.write(b"step %d loss=nan\n" % (len(lines) + 1))
+    assert logs.poll()["j1"].nonfinite_count == 1  # a new one is news
