@@ -152,7 +152,7 @@ class HealthHub:
         jobs: JobSupervisor,
         notify: Callable[[], None],
         bandwidth: Bandwidth | None = None,
-        to_abs: Callable[[str], Path] | None = None,
+        root_of: Callable[[str], Path] | None = None,
         on_space_freed: Callable[[], None] = lambda: None,
         gpu: GpuProbe | None = None,
         memory: MemoryProbe | None = None,
@@ -162,11 +162,11 @@ class HealthHub:
         loss_re: str | None = None,
         probe_timeout_s: float = PROBE_TIMEOUT_S,
     ) -> None:
-        """`to_abs`: a claim's path on the box (for NEXT_SAVE_WONT_FIT; None: not checked).
+        """`root_of`: the watched dir a claim's path lies in (for NEXT_SAVE_WONT_FIT; None: not checked).
         `gpu`, `memory`: the probes (default: none for the GPU, this process's cgroup)."""
         self._paths = paths
         self._bandwidth = bandwidth
-        self._to_abs = to_abs
+        self._root_of = root_of
         self._on_space_freed = on_space_freed
         self._wont_fit = ""  # the claim the last NEXT_SAVE_WONT_FIT was about, while it holds
         self._durable_free: tuple[int, int] | None = None
@@ -354,14 +354,14 @@ class HealthHub:
         than its size, or fewer than two free inodes (a save writes a temp name, then renames)."""
         why = ""
         where = None
-        if newest is not None and self._to_abs is not None:
+        if newest is not None and self._root_of is not None:
             try:
-                where = self._to_abs(newest.path)
-            except SidecarError:  # a symlink where the claim was: nothing to tell of its disk
+                where = self._root_of(newest.path)  # from its text: the disk is not asked on the loop
+            except SidecarError:
                 where = None
         if newest is not None and where is not None:
             for d in disks:
-                if d.role != "watch" or not where.is_relative_to(d.path):
+                if d.role != "watch" or where != d.path:
                     continue
                 if d.total_bytes > 0 and d.free_bytes < newest.size:
                     why = (

@@ -18,7 +18,7 @@ import fnmatch
 import os
 import re
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Literal, NamedTuple
 
@@ -194,17 +194,20 @@ class ArtifactNamer:
             return None
         return art
 
+    def root_of(self, artifact: str) -> tuple[Path, Sequence[str]]:
+        """The watched dir an artifact path lies in and its components below it, from the text
+        alone (the disk is not asked); refuses escapes."""
+        parts = check_relative(artifact)
+        if not self._prefixed:
+            return self._roots[0], parts
+        root = {r.name: r for r in self._roots}.get(parts[0])
+        if root is None or len(parts) < 2:
+            raise NotFoundError(f"{artifact!r} is not under a watched directory")
+        return root, parts[1:]
+
     def to_abs(self, artifact: str) -> Path:
         """The absolute path for an artifact path from the wire; refuses escapes and symlinks."""
-        parts = check_relative(artifact)
-        if self._prefixed:
-            by_name = {r.name: r for r in self._roots}
-            root = by_name.get(parts[0])
-            if root is None or len(parts) < 2:
-                raise NotFoundError(f"{artifact!r} is not under a watched directory")
-            parts = parts[1:]
-        else:
-            root = self._roots[0]
+        root, parts = self.root_of(artifact)
         path = root.joinpath(*parts)
         # No component below the root may be a symlink: a link could point anywhere.
         cur = root
