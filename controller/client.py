@@ -212,8 +212,9 @@ class SidecarClient:
             lambda: self.stub.ListJobs(pb.ListJobsRequest(caller=self.caller), timeout=self.timeout_s),
         )
 
-    async def list_queues(self) -> list[pb.Queue]:
-        req = pb.ListJobsRequest(queues_only=True)
+    async def list_queues(self, name: str = "", *, brief: bool = False) -> list[pb.Queue]:
+        """The box's queues (only `name`'s when given); `brief`: cells without their commands."""
+        req = pb.ListJobsRequest(queues_only=True, queue=name, brief=brief)
         resp = await self._call("ListJobs", lambda: self.stub.ListJobs(req, timeout=self.timeout_s))
         return list(resp.queues)
 

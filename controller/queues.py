@@ -5,9 +5,9 @@ and a sidecar restart; this only asks and reports.
 A queue's exit status for scripts (`run --queue --wait`, `queue NAME Q`):
 
     0  every cell finished (exit 0) and every one's checkpoints are durable
-    1  a cell failed, was cancelled or left no checkpoint; or (waiting) its checkpoints did not
-       become durable before the timeout
+    1  a cell failed, was cancelled or left no checkpoint
     4  not over yet: a cell still runs, or finished cells' checkpoints are still being pushed
+       (with --wait: at its timeout)
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ async def start_queue(box: Box, cells: CellsFile, policy: RestartPolicy) -> pb.S
         return await c.start_queue(request_for(cells, policy))
 
 
-async def list_queues(box: Box) -> list[pb.Queue]:
+async def list_queues(box: Box, name: str = "", *, brief: bool = False) -> list[pb.Queue]:
+    """The box's queues, or only `name`'s; `brief`: without the cells' commands."""
     async with connect(box) as c:
         await c.hello()
-        return await c.list_queues()
+        return await c.list_queues(name, brief=brief)
 
 
 def pick(box: Box, queues: list[pb.Queue], name: str) -> pb.Queue:
@@ -85,7 +86,7 @@ async def wait_queue(
     down = False
     while True:
         try:
-            q = pick(box, await list_queues(box), name)
+            q = pick(box, await list_queues(box, name), name)
             down = False
         except SidecarUnreachable as e:
             if last is None and time.monotonic() >= deadline:

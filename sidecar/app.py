@@ -317,7 +317,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         jobs,
         lambda kind, detail: emit(kind, "", detail),
         cell_evidence,
-        may_start=lambda: start_refusal(releaser, s.box_name),
+        may_start=lambda: (start_refusal(releaser, s.box_name), releaser.released),
         settle_s=QUEUE_SETTLE_S + s.settle_s,
     )
     await queues.recover()

@@ -49,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 QUEUE_STARTED = "QUEUE_STARTED"
 QUEUE_FINISHED = "QUEUE_FINISHED"
+RETRY_S = 1.0  # a cell that may not start yet (a release is checking the box) is tried again after this
 MAX_CELLS = 1000
+MAX_ENDED = 100  # ended queues kept; the oldest past this are forgotten
 CELL_TOKEN = "{cell}"  # noqa: S105 - a placeholder, not a secret
 
 # Entry states, as stored.
@@ -118,6 +120,8 @@ class QueueStore(Protocol):
     def save_queue(self, name: str, record: dict[str, Any]) -> None: ...
 
     def load_queues(self) -> list[dict[str, Any]]: ...
+
+    def delete_queue(self, name: str) -> None: ...
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -214,11 +218,12 @@ class QueueRunner:
         emit: Callable[[str, str], None],
         evidence: Callable[[Collection[str]], Mapping[str, CellEvidence]],
         *,
-        may_start: Callable[[], str] = lambda: "",
+        may_start: Callable[[], tuple[str, bool]] = lambda: ("", False),
         settle_s: float = 10.0,
     ) -> None:
         """`emit(kind, detail)` journals an event. `evidence(cells)`: what the box holds of each.
-        `may_start()`: why no job may start now ("" when one may), e.g. a release in progress.
+        `may_start()`: why no job may start now ("" when one may), and whether for good (a release
+        deleted the box's artifacts: the rest is cancelled) or for now (one is checking: wait).
         `settle_s`: how long after its job ended a cell without claims counts as NO_CHECKPOINT."""
         self._store = store
         self._jobs = jobs
@@ -254,34 +259,64 @@ class QueueRunner:
                     out.append(f"queue {q.name} ({len(left)} cells to run: {', '.join(left[:5])})")
         return out
 
+    def cell_busy(self, cell: str) -> str:
+        """Why a job of `cell` may not start by hand now ("" if it may): one runs, or a running
+        queue has it still to run (two runs of a cell would mix its checkpoints)."""
+        for j in self._jobs.of_cell(cell):
+            if not self._jobs.settled(j.id):
+                return f"cell {cell} already runs as job {j.id}; stop it first (`boxwarden stop BOX {j.id}`)"
+        for q in self._queues.values():
+            if (
+                q.active
+                and not q.stopped
+                and any(e.cell == cell and e.state not in _FINAL for e in q.entries)
+            ):
+                return (
+                    f"cell {cell} is queued in running queue {q.name!r}; stop the queue first, or let it run"
+                )
+        return ""
+
     def to_pb(self, q: QueueRecord) -> pb.Queue:
+        return self.listing([q])[0]
+
+    def listing(self, queues: Sequence[QueueRecord], *, brief: bool = False) -> list[pb.Queue]:
+        """The queues on the wire, their finished cells judged by their evidence: one pass over the
+        claims for all of them. `brief`: cells without their argv, cwd and env."""
         now = time.time_ns()
-        out = pb.Queue(
-            name=q.name,
-            stopped=q.stopped,
-            passes=q.passes,
-            created_at_unix_ns=q.created_at_ns,
-            ended_at_unix_ns=q.ended_at_ns,
-            restart=q.restart,
-            max_restarts=q.max_restarts,
-            restart_backoff_s=q.backoff_s,
-        )
-        finished = []
-        held = self._evidence({e.cell for e in q.entries if e.state in (DONE, SKIPPED)})
-        for e in q.entries:
-            cell = out.cells.add(
-                spec=pb.QueueCell(cell=e.cell, argv=e.argv, cwd=e.cwd, env=e.env),
-                state=_STATE_PB[e.state],
-                job_id=e.job_id,
-                exit_code=e.exit_code or 0,
-                detail=e.detail,
+        held = self._evidence({e.cell for q in queues for e in q.entries if e.state in (DONE, SKIPPED)})
+        out = []
+        for q in queues:
+            msg = pb.Queue(
+                name=q.name,
+                stopped=q.stopped,
+                passes=q.passes,
+                created_at_unix_ns=q.created_at_ns,
+                ended_at_unix_ns=q.ended_at_ns,
+                restart=q.restart,
+                max_restarts=q.max_restarts,
+                restart_backoff_s=q.backoff_s,
             )
-            if e.state in (DONE, SKIPPED):
-                ev = held.get(e.cell, CellEvidence(0, 0, 0))
-                cell.durability = durability(ev, e.ended_at_ns, now, self._settle_s)
-                cell.claims, cell.durable_claims = ev.claims, ev.durable
-                finished.append(cell.durability)
-        out.result = result([e.state for e in q.entries], finished)
+            finished = []
+            for e in q.entries:
+                spec = (
+                    pb.QueueCell(cell=e.cell)
+                    if brief
+                    else pb.QueueCell(cell=e.cell, argv=e.argv, cwd=e.cwd, env=e.env)
+                )
+                cell = msg.cells.add(
+                    spec=spec,
+                    state=_STATE_PB[e.state],
+                    job_id=e.job_id,
+                    exit_code=e.exit_code or 0,
+                    detail=e.detail,
+                )
+                if e.state in (DONE, SKIPPED):
+                    ev = held.get(e.cell, CellEvidence(0, 0, 0))
+                    cell.durability = durability(ev, e.ended_at_ns, now, self._settle_s)
+                    cell.claims, cell.durable_claims = ev.claims, ev.durable
+                    finished.append(cell.durability)
+            msg.result = result([e.state for e in q.entries], finished)
+            out.append(msg)
         return out
 
     # ---- start / stop --------------------------------------------------------------------------
@@ -321,6 +356,11 @@ class QueueRunner:
         policy = (restart, max_restarts, backoff_s)
         async with self._lock:
             old = self._queues.get(name)
+            if old is not None and old.active and old.stopped:
+                raise PreconditionError(
+                    f"queue {name!r} is being stopped; ask again once it ended "
+                    f"(`boxwarden queue BOX {name} --wait` follows it)"
+                )
             if old is not None and old.active:
                 if [e.spec() for e in old.entries] == [e.spec() for e in entries] and (
                     old.restart,
@@ -408,9 +448,20 @@ class QueueRunner:
                 self._schedule(q)
 
     def _settle_start(self, q: QueueRecord, e: Entry) -> None:
-        """An entry the last sidecar was starting when it stopped: did its job start?"""
+        """An entry the last sidecar was starting when it stopped: did its job start? Its record, or
+        its processes (by their tag), or the exit status its keeper left say so; only a start that
+        never got as far as its log file is started again."""
         if self._jobs.known(e.job_id):
             e.state = RUNNING
+        elif self._jobs.adopt_tagged(
+            e.job_id, cell=e.cell, argv=[_fill(a, e.cell) for a in e.argv], cwd=_fill(e.cwd, e.cell)
+        ):
+            e.state = RUNNING
+            e.detail = "started as the last sidecar stopped; followed by its processes since"
+        elif (code := self._jobs.unrecorded_exit(e.job_id)) is not None:
+            e.exit_code = code
+            state = DONE if code == 0 else FAILED
+            self._end_entry(q, e, state, "" if code == 0 else f"exit {code} (it ran while no sidecar did)")
         elif self._jobs.launch_began(e.job_id):
             e.state = FAILED
             e.detail = (
@@ -448,34 +499,46 @@ class QueueRunner:
                 if e is None:
                     self._finish(q)
                     return
-                if e.state in (RUNNING, STARTING):
-                    if not self._jobs.settled(e.job_id):
-                        return  # on_settled moves it on
-                    self._conclude(q, e)
-                elif q.stopped:
-                    self._end_entry(q, e, CANCELLED, "the queue was stopped before it started")
-                elif not await self._start_cell(q, e):
-                    return
+                try:
+                    if e.state in (RUNNING, STARTING):
+                        if not self._jobs.known(e.job_id):
+                            self._end_entry(q, e, FAILED, f"its job {e.job_id} has no record on this box")
+                        elif not self._jobs.settled(e.job_id):
+                            return  # on_settled moves it on
+                        else:
+                            self._conclude(q, e)
+                    elif q.stopped:
+                        self._end_entry(q, e, CANCELLED, "the queue was stopped before it started")
+                    elif not await self._start_cell(q, e):
+                        return
+                except Exception as err:  # a queue must never stall silently: this cell fails
+                    logger.exception("queue %s: cell %s", q.name, e.cell)
+                    self._end_entry(q, e, FAILED, f"internal error: {err!r}")
 
     async def _start_cell(self, q: QueueRecord, e: Entry) -> bool:
         """Start a pending cell (or settle it without a start); False when the queue must wait."""
         before = self._jobs.of_cell(e.cell)
         finished = next((j for j in before if j.state == "exited" and j.exit_code == 0), None)
-        if finished is not None:
+        if finished is not None and self._evidence({e.cell})[e.cell].claims:
             e.job_id, e.exit_code = finished.id, 0
             why = f"it finished on this box before (job {finished.id})"
             self._end_entry(q, e, SKIPPED, why, finished.ended_at_ns)
             return True
+        # A cell that exited 0 and left no checkpoint did not finish: it runs again.
         live = next((j for j in before if not self._jobs.settled(j.id)), None)
         if live is not None:
             e.state, e.job_id = RUNNING, live.id
             e.detail = f"it was already running as job {live.id}, not started by this queue"
             self._save(q)
             return True
-        why = self._may_start()
-        if why:
+        why, final = self._may_start()
+        if why and final:
             self._end_entry(q, e, CANCELLED, why)
             return True
+        if why:  # a release is checking the box: start once it is over (or cancel if it released)
+            logger.info("queue %s waits to start cell %s: %s", q.name, e.cell, why)
+            asyncio.get_running_loop().call_later(RETRY_S, self._schedule, q)
+            return False
         e.state, e.job_id = STARTING, self._jobs.new_id()
         self._save(q)
         try:
@@ -489,9 +552,11 @@ class QueueRunner:
                 backoff_s=q.backoff_s,
                 job_id=e.job_id,
             )
-        except SidecarError as err:
+        except Exception as err:  # OSError too: a full disk, no file descriptors left
             if self._closed or self._jobs.known(e.job_id):
                 return False  # shutting down: the next sidecar settles this entry
+            if not isinstance(err, SidecarError):
+                logger.exception("queue %s: starting cell %s", q.name, e.cell)
             e.job_id = ""  # it never ran
             self._end_entry(q, e, FAILED, f"could not start: {err}")
             return True
@@ -515,6 +580,7 @@ class QueueRunner:
     def _finish(self, q: QueueRecord) -> None:
         q.ended_at_ns = time.time_ns()
         self._save(q)
+        self._prune()
         counts = {s: sum(e.state == s for e in q.entries) for s in _FINAL}
         failed = [f"{e.cell} ({e.detail})" for e in q.entries if e.state in (FAILED, CANCELLED)]
         summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
@@ -531,6 +597,14 @@ class QueueRunner:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _prune(self) -> None:
+        """Forget the oldest ended queues past MAX_ENDED (their jobs and the journal remain)."""
+        ended = sorted((q for q in self._queues.values() if not q.active), key=lambda q: q.ended_at_ns)
+        for old in ended[: max(0, len(ended) - MAX_ENDED)]:
+            del self._queues[old.name]
+            self._store.delete_queue(old.name)
+            logger.info("forgot queue %s (ended %d ns ago)", old.name, time.time_ns() - old.ended_at_ns)
 
     def _save(self, q: QueueRecord) -> None:
         self._store.save_queue(q.name, q.to_json())

@@ -214,6 +214,16 @@ class JobSupervisor:
         """A start of this job id got as far as creating its log (its keeper may have run)."""
         return (self._log_dir / f"{job_id}.log").exists()
 
+    def unrecorded_exit(self, job_id: str) -> int | None:
+        """The exit status the keeper of a job with no record wrote (it ran and ended while no
+        sidecar recorded it), if it wrote one."""
+        probe = JobRecord(
+            id=job_id, cell="", argv=[], cwd="/", env={}, pid=0, pgid=0, state="exited", exit_code=None,
+            started_at_ns=0, ended_at_ns=None, log_path=str(self._log_dir / f"{job_id}.log"),
+            proc_start_ticks=0, keeper=[0, 0],
+        )  # fmt: skip
+        return probe.recorded_exit() if probe.keeper_ended() else None
+
     def running(self) -> list[JobRecord]:
         """Jobs with a live process, scanned now (the gate and release ask this)."""
         return [j for j in self.jobs() if j.state == "running"]
@@ -499,7 +509,15 @@ class JobSupervisor:
         ]
         # All of them first: an orphan is given to a job by comparing it with EVERY job's leader.
         self._jobs.update((j.id, j) for j in loaded)
+        tagged = self._tags.tags(proctree.scan())
         for job in loaded:
+            carrying = tagged.get(job.id, set()) - {self._me}
+            if job.state != "running" and carrying:
+                # Its record says it ended, yet processes carrying its tag live: the last sidecar
+                # died while starting it again (after the keeper started, before the record was
+                # saved). Follow those processes; never start it a second time.
+                self._adopt_tagged(job, carrying, restarted=bool(job.restart_at_ns))
+                continue
             if job.state != "running":
                 continue
             table = table or proctree.scan()
@@ -537,6 +555,70 @@ class JobSupervisor:
                 logger.info("job %s was waiting to be started again: armed again", job.id)
                 self._maybe_restart(self._jobs[job.id], due_ns=job.restart_at_ns)
         self.refresh()
+
+    def adopt_tagged(self, job_id: str, *, cell: str, argv: Sequence[str], cwd: str) -> JobRecord | None:
+        """A job id that has no record but whose processes (carrying its tag) live: a start the
+        last sidecar did not get to record. Recorded now and followed; None when none lives."""
+        if job_id in self._jobs:
+            return self._jobs[job_id]
+        live = self._tags.tags(proctree.scan()).get(job_id, set()) - {self._me}
+        if not live:
+            return None
+        blank = JobRecord(
+            id=job_id,
+            cell=cell,
+            argv=list(argv),
+            cwd=cwd or str(self._default_cwd.absolute()),
+            env={},
+            pid=0,
+            pgid=0,
+            state="running",
+            exit_code=None,
+            started_at_ns=time.time_ns(),
+            ended_at_ns=None,
+            log_path=str(self._log_dir / f"{job_id}.log"),
+            proc_start_ticks=0,
+        )
+        return self._adopt_tagged(blank, live, restarted=False)
+
+    def _adopt_tagged(self, job: JobRecord, live: set[int], *, restarted: bool) -> JobRecord:
+        """Record `job` as running with the processes `live` (its tag's): its keeper is the one whose
+        parent is none of them, its leader that keeper's child leading its own session."""
+        table = proctree.scan()
+        procs = [table.procs[p] for p in sorted(live) if p in table.procs]
+        roots = [p for p in procs if p.ppid not in live]
+        keeper = roots[0] if len(roots) == 1 else None
+        leaders = [p for p in procs if keeper is not None and p.ppid == keeper.pid and p.session == p.pid]
+        leader = leaders[0] if leaders else (roots[0] if roots else procs[0])
+        record = dataclasses.replace(
+            job,
+            state="running",
+            exit_code=None,
+            ended_at_ns=None,
+            pid=leader.pid,
+            pgid=leader.pgrp,
+            proc_start_ticks=leader.start_ticks,
+            keeper=[keeper.pid, keeper.start_ticks] if keeper is not None and leaders else [],
+            boot_id=self._boot,
+            leader_exited=False,
+            restarts=job.restarts + 1 if restarted else job.restarts,
+            restart_at_ns=0,
+        )
+        logger.warning(
+            "job %s: processes carrying its tag live (%s) with no record of their start (the sidecar "
+            "stopped while starting it): recorded and followed as running, never started again",
+            job.id,
+            sorted(live),
+        )
+        self._jobs[job.id] = record
+        try:
+            self._store.save_job(record)
+        except Exception:
+            logger.exception("could not record job %s", job.id)
+        self._watch(record, None)
+        if job.id not in self._watches:
+            self._adopt_tree(record)
+        return record
 
     def _adopt_tree(self, job: JobRecord) -> None:
         loop = asyncio.get_running_loop()

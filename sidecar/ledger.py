@@ -507,6 +507,10 @@ class Ledger:
                 "INSERT OR REPLACE INTO queues(name, record) VALUES (?, ?)", (name, json.dumps(record))
             )
 
+    def delete_queue(self, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM queues WHERE name = ?", (name,))
+
     def load_queues(self) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT record FROM queues").fetchall()
         return [json.loads(r["record"]) for r in rows]

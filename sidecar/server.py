@@ -349,6 +349,8 @@ class SidecarService:
     @translated
     async def StartJob(self, request: pb.StartJobRequest, context: Ctx) -> pb.StartJobResponse:
         why = start_refusal(self._p.releaser, self._p.settings.box_name)
+        if not why and request.cell:
+            why = self._p.queues.cell_busy(request.cell)
         if why:
             raise PreconditionError(why)
         job = await self._p.jobs.start(
@@ -403,7 +405,8 @@ class SidecarService:
     @translated
     async def ListJobs(self, request: pb.ListJobsRequest, context: Ctx) -> pb.ListJobsResponse:
         if request.queues_only:
-            return pb.ListJobsResponse(queues=[self._p.queues.to_pb(q) for q in self._p.queues.queues()])
+            wanted = [q for q in self._p.queues.queues() if not request.queue or q.name == request.queue]
+            return pb.ListJobsResponse(queues=self._p.queues.listing(wanted, brief=request.brief))
         jobs = self._p.jobs.jobs()
         watched = [str(d) for d in self._p.settings.watch_dirs]
         found = await self._p.jobs.strays(
@@ -411,7 +414,6 @@ class SidecarService:
         )
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
-            queues=[self._p.queues.to_pb(q) for q in self._p.queues.queues()],
             strays=[
                 pb.Stray(
                     pid=x.pid, command=x.command, cwd=x.cwd, started_at_unix_ns=x.started_at_ns, why=x.why

@@ -110,6 +110,11 @@ def test_cells_from_flags_make_a_queue_and_stop_ends_it(bw: Bw, tmp_path: Path) 
         listing = bw.json("queue", "b3")
         assert [q["name"] for q in listing["queues"]] == [doc["name"]]
         assert runs(marks, "y") == 0
+        # One --cell is a plain job; "{cell}" in its command is the cell there too.
+        r = bw("run", "b3", "--json", "--cell", "z", "--", "sh", "-c", "echo this is {cell}")
+        assert r.returncode == 0, r.stderr
+        job = json.loads(r.stdout)["id"]
+        wait_until(lambda: "this is z" in bw("logs", "b3", "--job", job).stdout)
     finally:
         (marks / "x.gate").touch()
         (marks / "y.gate").touch()

@@ -35,7 +35,7 @@ def command(
         raise UsageError("give either --wait or --stop")
     box = open_state().get(name)
     if not queue_name:
-        qs = asyncio.run(queues.list_queues(box))
+        qs = asyncio.run(queues.list_queues(box, brief=True))
         if as_json:
             render.json_out({"box": name, "queues": [queues.to_json(name, q) for q in qs]})
         else:
@@ -46,7 +46,7 @@ def command(
     elif wait:
         q = queueview.follow(box, queue_name, timeout, quiet=as_json)
     else:
-        q = queues.pick(box, asyncio.run(queues.list_queues(box)), queue_name)
+        q = queues.pick(box, asyncio.run(queues.list_queues(box, queue_name)), queue_name)
     if as_json:
         render.json_out(queues.to_json(name, q))
     else:

@@ -23,8 +23,8 @@ from controller.errors import UsageError
     "cells",
     multiple=True,
     metavar="CELL",
-    help="Roster cell this job produces (a name like a box name). Repeated: a queue of these cells, "
-    "each running CMD (with {cell} replaced), one after another.",
+    help="Roster cell this job produces (a name like a box name); {cell} in CMD is replaced by it. "
+    "Repeated: a queue of these cells, each running CMD, one after another.",
 )
 @click.option(
     "--queue",
@@ -111,7 +111,10 @@ def command(
         )
     box = open_state().get(name)
     policy = boxes.RestartPolicy(restart, max_restarts, restart_backoff)
-    job = asyncio.run(boxes.run_job(box, argv, cells[0] if cells else "", policy))
+    cell = cells[0] if cells else ""
+    if cell:  # as in a queue: "{cell}" in CMD is the cell
+        argv = tuple(a.replace("{cell}", cell) for a in argv)
+    job = asyncio.run(boxes.run_job(box, argv, cell, policy))
     if as_json:
         render.json_out(
             {

@@ -26,7 +26,8 @@ def cell(d: Daemon, marks: Path, name: str, *flags: str, exit_code: int = 0) -> 
 
 
 def queue(d: Daemon, name: str) -> pb.Queue:
-    return next(q for q in d.stub.ListJobs(pb.ListJobsRequest(), timeout=30).queues if q.name == name)
+    (q,) = d.stub.ListJobs(pb.ListJobsRequest(queues_only=True, queue=name), timeout=30).queues
+    return q
 
 
 def states(q: pb.Queue) -> dict[str, str]:
@@ -77,6 +78,12 @@ def test_cells_run_in_order_and_a_failed_cell_fails_the_queue(tmp_path: Path) ->
             assert after.started_at_unix_ns >= before.ended_at_unix_ns > 0
         assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]
         assert runs(marks, "a")[0].endswith(" a")  # "{cell}" was filled in
+        # Only asked for: a plain ListJobs (the gate's) carries no queue; a brief one no commands.
+        assert not d.stub.ListJobs(pb.ListJobsRequest(), timeout=30).queues
+        (brief,) = d.stub.ListJobs(pb.ListJobsRequest(queues_only=True, brief=True), timeout=30).queues
+        assert [(c.spec.cell, list(c.spec.argv)) for c in brief.cells] == [("a", []), ("b", []), ("c", [])]
+        assert brief.result == pb.QUEUE_FAILED
+        assert not d.stub.ListJobs(pb.ListJobsRequest(queues_only=True, queue="nope"), timeout=30).queues
         finished = [e for e in d.events() if pb.EventKind.Name(e.kind) == "QUEUE_FINISHED"]
         assert len(finished) == 1 and "b (exit 3)" in finished[0].detail
 
@@ -234,8 +241,8 @@ def test_a_bad_queue_is_refused_before_anything_runs(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as err:
             d.stub.StartQueue(pb.StartQueueRequest(name="ok", cells=BAD[1][1], restart="always"), timeout=30)
         assert "restart policy 'always'" in str(err.value.details())
-        listed = d.stub.ListJobs(pb.ListJobsRequest(), timeout=30)
-        assert not listed.queues and not listed.jobs
+        assert not d.stub.ListJobs(pb.ListJobsRequest(queues_only=True), timeout=30).queues
+        assert not d.stub.ListJobs(pb.ListJobsRequest(), timeout=30).jobs
 
 
 def test_a_release_is_refused_while_a_queue_has_cells_to_run(tmp_path: Path) -> None:
@@ -252,3 +259,26 @@ def test_a_release_is_refused_while_a_queue_has_cells_to_run(tmp_path: Path) -> 
         settled(d, "q9")
         r = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest="0" * 64), timeout=30)
         assert not [x for x in r.refused if x.code == "JOB_RUNNING"]
+
+
+def test_a_job_of_a_cell_that_runs_or_is_queued_is_refused(tmp_path: Path) -> None:
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    with running(tmp_path / "box") as d, gates(marks, "a", "b"):
+        cells = [cell(d, marks, "a", "--gate"), cell(d, marks, "b", "--gate")]
+        d.stub.StartQueue(pb.StartQueueRequest(name="q10", cells=cells), timeout=30)
+        wait_until(lambda: runs(marks, "a"))
+        for name, why in (
+            ("a", "cell a already runs as job"),
+            ("b", "cell b is queued in running queue 'q10'"),
+        ):
+            with pytest.raises(grpc.RpcError) as err:
+                d.stub.StartJob(pb.StartJobRequest(argv=["true"], cell=name), timeout=30)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert why in str(err.value.details())
+        (marks / "a.gate").touch()
+        (marks / "b.gate").touch()
+        settled(d, "q10")
+        done = d.stub.StartJob(pb.StartJobRequest(argv=["true"], cell="b"), timeout=30).job
+        assert done.cell == "b"  # by hand, once nothing else runs it
+        assert [len(runs(marks, c)) for c in "ab"] == [1, 1]

@@ -9,13 +9,15 @@ import asyncio
 import dataclasses
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 
+import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from sidecar import cellqueue
 from sidecar.cellqueue import CellEvidence, Entry, QueueRecord, QueueRunner
+from sidecar.errors import PreconditionError
 from sidecar.identity import FileIdentity
 from sidecar.jobrecord import JobRecord
 from sidecar.jobs import JobSupervisor
@@ -23,6 +25,11 @@ from sidecar.ledger import ClaimRow, Ledger
 from tests.sidecar.test_jobs import Events, until
 
 MARK = "import sys; open(sys.argv[1], 'a').write('x')"  # one "x" per run
+# Ignores SIGTERM, and ends once its gate file exists (a minute at most).
+WAIT = (
+    "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); d = time.monotonic() + 60\n"
+    "while not os.path.exists(sys.argv[1]) and time.monotonic() < d: time.sleep(0.05)"
+)
 
 Body = Callable[[QueueRunner, JobSupervisor, Ledger], Awaitable[None]]
 
@@ -47,8 +54,16 @@ def job(job_id: str, **changes: object) -> JobRecord:
     return dataclasses.replace(record, **changes)  # type: ignore[arg-type]
 
 
-def runner_for(tmp_path: Path, body: Body, *, before: Callable[[Ledger], None] = lambda _: None) -> None:
-    """Run `body` against a QueueRunner recovered from a ledger that `before` prepared."""
+def runner_for(
+    tmp_path: Path,
+    body: Body,
+    *,
+    before: Callable[[Ledger], None] = lambda _: None,
+    evidence: Callable[[Collection[str]], dict[str, CellEvidence]] | None = None,
+    may_start: Callable[[], tuple[str, bool]] = lambda: ("", False),
+) -> None:
+    """Run `body` against a QueueRunner recovered from a ledger that `before` prepared (every
+    finished cell durable unless `evidence` says otherwise)."""
 
     async def main() -> None:
         ledger = Ledger(tmp_path / "ledger.db")
@@ -59,7 +74,8 @@ def runner_for(tmp_path: Path, body: Body, *, before: Callable[[Ledger], None] =
             ledger,
             sup,
             lambda kind, detail: None,
-            lambda cells: {c: CellEvidence(1, 1, 0) for c in cells},
+            evidence or (lambda cells: {c: CellEvidence(1, 1, 0) for c in cells}),
+            may_start=may_start,
             settle_s=0,
         )
         try:
@@ -67,8 +83,8 @@ def runner_for(tmp_path: Path, body: Body, *, before: Callable[[Ledger], None] =
             await body(queues, sup, ledger)
         finally:
             await queues.close()
-            for job in sup.running():
-                await sup.stop(job.id, grace_s=0)
+            for j in sup.running():
+                await sup.stop(j.id, grace_s=0)
             await sup.close()
             ledger.close()
 
@@ -255,3 +271,85 @@ def test_evidence_counts_each_cells_claims_and_waiting_entries_in_one_pass() -> 
     ]
     got = cellqueue.evidence_of(["a", "b"], owner, claims, [])
     assert got == {"a": CellEvidence(2, 2, 0), "b": CellEvidence(0, 0, 0)}
+
+
+def test_a_release_checking_the_box_delays_a_cell_and_a_release_that_deleted_cancels_it(
+    tmp_path: Path,
+) -> None:
+    checks = ["a release is checking", "a release is checking", ""]
+    released = [False]
+
+    def may_start() -> tuple[str, bool]:
+        if released[0]:
+            return "the box was released", True
+        return (checks.pop(0) if checks else ""), False
+
+    async def body(queues: QueueRunner, sup: JobSupervisor, ledger: Ledger) -> None:
+        await queues.start("q", [marked(tmp_path, "a")])
+        q = await over(queues)
+        assert [e.state for e in q.entries] == ["done"] and not checks  # it waited, then ran
+        released[0] = True
+        await queues.start("q2", [marked(tmp_path, "b")])
+        await until("q2 to end", lambda: not queues.get("q2").active)
+        (b,) = queues.get("q2").entries
+        assert (b.state, b.detail) == ("cancelled", "the box was released")
+        assert runs(tmp_path, "a") == 1 and runs(tmp_path, "b") == 0
+
+    runner_for(tmp_path, body, may_start=may_start)
+
+
+def test_a_cell_that_finished_without_a_checkpoint_runs_again_in_the_next_pass(tmp_path: Path) -> None:
+    claimed: dict[str, int] = {"a": 0}
+
+    def evidence(cells: Collection[str]) -> dict[str, CellEvidence]:
+        return {c: CellEvidence(claimed.get(c, 1), claimed.get(c, 1), 0) for c in cells}
+
+    async def body(queues: QueueRunner, sup: JobSupervisor, ledger: Ledger) -> None:
+        await queues.start("q", [marked(tmp_path, "a")])
+        q = await over(queues)
+        assert q.entries[0].state == "done"
+        assert queues.to_pb(q).cells[0].durability == pb.CELL_NO_CHECKPOINT
+        assert queues.to_pb(q).result == pb.QUEUE_FAILED
+        _, began = await queues.start("q", [marked(tmp_path, "a")])  # fixed (say): it runs again
+        assert began
+        await until("the second run", lambda: runs(tmp_path, "a") == 2)
+        claimed["a"] = 1  # this time it saved one
+        q = await over(queues)
+        assert q.entries[0].state == "done" and runs(tmp_path, "a") == 2
+        _, began = await queues.start("q", [marked(tmp_path, "a")])  # finished, with a checkpoint
+        q = await over(queues)
+        assert q.entries[0].state == "skipped" and runs(tmp_path, "a") == 2
+
+    runner_for(tmp_path, body, evidence=evidence)
+
+
+def test_a_queue_being_stopped_is_not_silently_asked_again(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    waits = Entry(cell="a", argv=[sys.executable, "-c", WAIT, str(gate)])
+
+    async def body(queues: QueueRunner, sup: JobSupervisor, ledger: Ledger) -> None:
+        await queues.start("q", [waits])
+        await until("a to run", lambda: bool(sup.running()))
+        stopping = asyncio.ensure_future(queues.stop("q", grace_s=30))  # a SIGTERM it ignores
+        await until("the stop to be recorded", lambda: queues.get("q").stopped)
+        with pytest.raises(PreconditionError, match="is being stopped; ask again once it ended"):
+            await queues.start("q", [waits])
+        gate.touch()
+        await stopping
+
+    runner_for(tmp_path, body)
+
+
+def test_the_oldest_ended_queues_are_forgotten_past_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cellqueue, "MAX_ENDED", 2)
+
+    async def body(queues: QueueRunner, sup: JobSupervisor, ledger: Ledger) -> None:
+        for name in ("q1", "q2", "q3"):
+            await queues.start(name, [marked(tmp_path, name)])
+            await until(f"{name} to end", lambda n=name: not queues.get(n).active)  # type: ignore[misc]
+        assert [q.name for q in queues.queues()] == ["q3", "q2"]
+        assert sorted(doc["name"] for doc in ledger.load_queues()) == ["q2", "q3"]
+
+    runner_for(tmp_path, body)

@@ -1714,8 +1714,16 @@ class ListJobsRequest(_message.Message):
 
     CALLER_FIELD_NUMBER: _builtins.int
     QUEUES_ONLY_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    BRIEF_FIELD_NUMBER: _builtins.int
     queues_only: _builtins.bool
-    """Only the queues: no jobs and no stray scan (cheap enough for a controller that waits on a queue)."""
+    """The queues instead of the jobs: no jobs and no stray scan (cheap enough for a controller that
+    waits on a queue). Without it, no queue is listed.
+    """
+    queue: _builtins.str
+    """With queues_only: only the queue of this name (none if there is none)."""
+    brief: _builtins.bool
+    """With queues_only: each cell without its argv, cwd and env (QueueCell.cell only)."""
     @_builtins.property
     def caller(self) -> Global___Caller:
         """Absent when the caller does not run on the box."""
@@ -1725,10 +1733,12 @@ class ListJobsRequest(_message.Message):
         *,
         caller: Global___Caller | None = ...,
         queues_only: _builtins.bool = ...,
+        queue: _builtins.str = ...,
+        brief: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["caller", b"caller", "queues_only", b"queues_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["brief", b"brief", "caller", b"caller", "queue", b"queue", "queues_only", b"queues_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1785,7 +1795,7 @@ class ListJobsResponse(_message.Message):
     def strays(self) -> _containers.RepeatedCompositeFieldContainer[Global___Stray]: ...
     @_builtins.property
     def queues(self) -> _containers.RepeatedCompositeFieldContainer[Global___Queue]:
-        """Every queue this box has run or runs, newest first."""
+        """With queues_only: the queues this box runs or ran (the 100 newest that ended), newest first."""
 
     def __init__(
         self,
