@@ -28,7 +28,7 @@ from boxwarden_pb.v1 import sidecar_pb2_grpc
 from sidecar import __version__, children, mounts, resume
 from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
-from sidecar.cellqueue import CellEvidence, QueueRunner, evidence_of
+from sidecar.cellqueue import QueueRunner
 from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.evidence import unsealed
@@ -42,6 +42,7 @@ from sidecar.metrics import MetricsServer
 from sidecar.paths import ArtifactNamer
 from sidecar.priority import lower_this_thread
 from sidecar.probethread import ProbeThread
+from sidecar.queuerecord import CellEvidence, evidence_of
 from sidecar.release import Releaser
 from sidecar.retention import Retainer
 from sidecar.sealer import Sealer

@@ -27,23 +27,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import math
-import signal
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError, SidecarError
 from sidecar.jobrecord import JobRecord, check_name
 from sidecar.jobs import RESTART_POLICIES, JobSupervisor
-from sidecar.ledger import ClaimRow
+from sidecar.queuerecord import (
+    CANCELLED,
+    DONE,
+    FAILED,
+    FINAL,
+    PENDING,
+    RUNNING,
+    SKIPPED,
+    STARTING,
+    STATE_PB,
+    CellEvidence,
+    Entry,
+    QueueRecord,
+    QueueStore,
+    difference,
+    durability,
+    fill,
+    outcome,
+    result,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -52,160 +66,6 @@ QUEUE_FINISHED = "QUEUE_FINISHED"
 RETRY_S = 1.0  # a cell that may not start yet (a release is checking the box) is tried again after this
 MAX_CELLS = 1000
 MAX_ENDED = 100  # ended queues kept; the oldest past this are forgotten
-CELL_TOKEN = "{cell}"  # noqa: S105 - a placeholder, not a secret
-
-# Entry states, as stored.
-PENDING, STARTING, RUNNING = "pending", "starting", "running"
-DONE, FAILED, SKIPPED, CANCELLED = "done", "failed", "skipped", "cancelled"
-_FINAL = (DONE, FAILED, SKIPPED, CANCELLED)
-_STATE_PB = {
-    PENDING: pb.CELL_PENDING,
-    STARTING: pb.CELL_RUNNING,
-    RUNNING: pb.CELL_RUNNING,
-    DONE: pb.CELL_DONE,
-    FAILED: pb.CELL_FAILED,
-    SKIPPED: pb.CELL_SKIPPED,
-    CANCELLED: pb.CELL_CANCELLED,
-}
-
-
-@dataclass(**SLOTS)
-class Entry:
-    """One cell of a queue and how it went in the current pass."""
-
-    cell: str
-    argv: list[str]
-    cwd: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    state: str = PENDING
-    job_id: str = ""
-    exit_code: int | None = None
-    detail: str = ""
-    ended_at_ns: int = 0
-
-    def spec(self) -> tuple[str, tuple[str, ...], str, tuple[tuple[str, str], ...]]:
-        return (self.cell, tuple(self.argv), self.cwd, tuple(sorted(self.env.items())))
-
-
-@dataclass(**SLOTS)
-class QueueRecord:
-    name: str
-    entries: list[Entry]
-    restart: str = "never"
-    max_restarts: int = 0
-    backoff_s: float = 0.0
-    created_at_ns: int = 0
-    passes: int = 1
-    stopped: bool = False
-    ended_at_ns: int = 0  # 0 while a pass runs
-
-    @property
-    def active(self) -> bool:
-        return not self.ended_at_ns
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> QueueRecord:
-        known = {f.name for f in dataclasses.fields(Entry)}
-        entries = [Entry(**{k: v for k, v in e.items() if k in known}) for e in doc.get("entries", [])]
-        fields = {f.name for f in dataclasses.fields(cls)} - {"entries"}
-        return cls(entries=entries, **{k: v for k, v in doc.items() if k in fields})
-
-
-class QueueStore(Protocol):
-    """Durable home of queue records (the ledger implements it)."""
-
-    def save_queue(self, name: str, record: dict[str, Any]) -> None: ...
-
-    def load_queues(self) -> list[dict[str, Any]]: ...
-
-    def delete_queue(self, name: str) -> None: ...
-
-
-@dataclass(frozen=True, **SLOTS)
-class CellEvidence:
-    """What the box holds of one cell now: claims under its directories, how many are durable, and
-    entries there waiting to be sealed."""
-
-    claims: int
-    durable: int
-    unsealed: int
-
-
-def evidence_of(
-    cells: Collection[str], owner: Mapping[str, str], claims: Iterable[ClaimRow], waiting: Iterable[str]
-) -> dict[str, CellEvidence]:
-    """Each cell's evidence, in one pass over the current claims and the artifacts waiting to be
-    sealed. `owner`: the artifact path prefix of each cell's directory ("cell/", or "watch/cell/"
-    with several watched dirs) -> the cell."""
-    depths = sorted({p.count("/") for p in owner})
-    counts = {cell: [0, 0, 0] for cell in cells}
-
-    def cell_of(path: str) -> str | None:
-        parts = path.split("/")
-        for n in depths:
-            found = owner.get("/".join(parts[:n]) + "/") if len(parts) > n else None
-            if found is not None:
-                return found
-        return None
-
-    for c in claims:
-        held = cell_of(c.path)
-        if held is not None:
-            counts[held][0] += 1
-            counts[held][1] += c.durable
-    for art in waiting:
-        found = cell_of(art)
-        if found is not None:
-            counts[found][2] += 1
-    return {cell: CellEvidence(*n) for cell, n in counts.items()}
-
-
-def durability(
-    ev: CellEvidence, ended_at_ns: int, now_ns: int, settle_s: float
-) -> pb.CellDurability.ValueType:
-    """A finished cell's CellDurability. Nothing claimed counts as NO_CHECKPOINT only once its job
-    has been over for `settle_s` (its last save may still be on its way to a claim)."""
-    if ev.claims and ev.durable == ev.claims and not ev.unsealed:
-        return pb.CELL_DURABLE
-    if not ev.claims and not ev.unsealed and now_ns - ended_at_ns >= settle_s * 1e9:
-        return pb.CELL_NO_CHECKPOINT
-    return pb.CELL_PUSHING
-
-
-def result(states: Sequence[str], durabilities: Sequence[int]) -> pb.QueueResult.ValueType:
-    """The QueueResult of a queue whose entries are in `states`, its finished cells' (DONE and
-    SKIPPED, in order) durabilities in `durabilities`."""
-    if any(s not in _FINAL for s in states):
-        return pb.QUEUE_RUNNING
-    if any(s in (FAILED, CANCELLED) for s in states) or pb.CELL_NO_CHECKPOINT in durabilities:
-        return pb.QUEUE_FAILED
-    if any(d != pb.CELL_DURABLE for d in durabilities):
-        return pb.QUEUE_PUSHING
-    return pb.QUEUE_OK
-
-
-def _outcome(job: JobRecord) -> tuple[str, str]:
-    """(DONE or FAILED, why) from a job that is over: its exit status and state only."""
-    if job.state == "exited" and job.exit_code == 0:
-        return DONE, ""
-    if job.state == "stopped":
-        return FAILED, "stopped"
-    if job.state == "lost" or job.exit_code is None:
-        return FAILED, "lost: its exit status is unknown (the sidecar was not its parent when it ended)"
-    if job.exit_code < 0:
-        try:
-            sig = signal.Signals(-job.exit_code).name
-        except ValueError:
-            sig = f"signal {-job.exit_code}"
-        return FAILED, f"killed by {sig}"
-    return FAILED, f"exit {job.exit_code}"
-
-
-def _fill(text: str, cell: str) -> str:
-    return text.replace(CELL_TOKEN, cell)
 
 
 class QueueRunner:
@@ -266,11 +126,7 @@ class QueueRunner:
             if not self._jobs.settled(j.id):
                 return f"cell {cell} already runs as job {j.id}; stop it first (`boxwarden stop BOX {j.id}`)"
         for q in self._queues.values():
-            if (
-                q.active
-                and not q.stopped
-                and any(e.cell == cell and e.state not in _FINAL for e in q.entries)
-            ):
+            if q.active and not q.stopped and any(e.cell == cell and e.state not in FINAL for e in q.entries):
                 return (
                     f"cell {cell} is queued in running queue {q.name!r}; stop the queue first, or let it run"
                 )
@@ -305,7 +161,7 @@ class QueueRunner:
                 )
                 cell = msg.cells.add(
                     spec=spec,
-                    state=_STATE_PB[e.state],
+                    state=STATE_PB[e.state],
                     job_id=e.job_id,
                     exit_code=e.exit_code or 0,
                     detail=e.detail,
@@ -369,7 +225,7 @@ class QueueRunner:
                 ) == policy:
                     return old, False
                 raise PreconditionError(
-                    f"queue {name!r} is running with other cells or options ({_difference(old, entries)}); "
+                    f"queue {name!r} is running with other cells or options ({difference(old, entries)}); "
                     "stop it first, or give the new queue another name"
                 )
             self._check_no_overlap(name, entries)
@@ -406,7 +262,7 @@ class QueueRunner:
         for other in self._queues.values():
             if other.name == name or not other.active or other.stopped:
                 continue
-            shared = sorted(cells & {e.cell for e in other.entries if e.state not in _FINAL})
+            shared = sorted(cells & {e.cell for e in other.entries if e.state not in FINAL})
             if shared:
                 raise PreconditionError(
                     f"cells {', '.join(shared)} are queued in running queue {other.name!r} too; "
@@ -454,7 +310,7 @@ class QueueRunner:
         if self._jobs.known(e.job_id):
             e.state = RUNNING
         elif self._jobs.adopt_tagged(
-            e.job_id, cell=e.cell, argv=[_fill(a, e.cell) for a in e.argv], cwd=_fill(e.cwd, e.cell)
+            e.job_id, cell=e.cell, argv=[fill(a, e.cell) for a in e.argv], cwd=fill(e.cwd, e.cell)
         ):
             e.state = RUNNING
             e.detail = "started as the last sidecar stopped; followed by its processes since"
@@ -495,7 +351,7 @@ class QueueRunner:
         finished before, start the next one (then wait for it), end the pass after the last."""
         async with self._lock:
             while q.active and not self._closed:
-                e = next((x for x in q.entries if x.state not in _FINAL), None)
+                e = next((x for x in q.entries if x.state not in FINAL), None)
                 if e is None:
                     self._finish(q)
                     return
@@ -543,10 +399,10 @@ class QueueRunner:
         self._save(q)
         try:
             await self._jobs.start(
-                [_fill(a, e.cell) for a in e.argv],
+                [fill(a, e.cell) for a in e.argv],
                 cell=e.cell,
-                cwd=Path(_fill(e.cwd, e.cell)) if e.cwd else None,
-                env={k: _fill(v, e.cell) for k, v in e.env.items()},
+                cwd=Path(fill(e.cwd, e.cell)) if e.cwd else None,
+                env={k: fill(v, e.cell) for k, v in e.env.items()},
                 restart=q.restart,
                 max_restarts=q.max_restarts,
                 backoff_s=q.backoff_s,
@@ -566,7 +422,7 @@ class QueueRunner:
 
     def _conclude(self, q: QueueRecord, e: Entry) -> None:
         job = self._jobs.get(e.job_id)
-        state, why = _outcome(job)
+        state, why = outcome(job)
         e.exit_code = job.exit_code
         self._end_entry(q, e, state, "; ".join(x for x in (why, e.detail) if x), job.ended_at_ns)
 
@@ -581,7 +437,7 @@ class QueueRunner:
         q.ended_at_ns = time.time_ns()
         self._save(q)
         self._prune()
-        counts = {s: sum(e.state == s for e in q.entries) for s in _FINAL}
+        counts = {s: sum(e.state == s for e in q.entries) for s in FINAL}
         failed = [f"{e.cell} ({e.detail})" for e in q.entries if e.state in (FAILED, CANCELLED)]
         summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
         self._safe_emit(
@@ -614,15 +470,3 @@ class QueueRunner:
             self._emit(kind, detail)
         except Exception:
             logger.exception("could not emit %s", kind)
-
-
-def _difference(old: QueueRecord, new: list[Entry]) -> str:
-    was = {e.cell: e.spec() for e in old.entries}
-    now = {e.cell: e.spec() for e in new}
-    parts = []
-    if sorted(was) != sorted(now) or list(was) != list(now):
-        parts.append(f"cells now {', '.join(now)}; running {', '.join(was)}")
-    changed = [c for c in now if c in was and was[c] != now[c]]
-    if changed:
-        parts.append(f"changed: {', '.join(changed)}")
-    return "; ".join(parts) or "its restart options differ"

@@ -28,23 +28,20 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
 import secrets
-import select
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar import children, mounts, proctree, strays
+from sidecar import children, mounts, proctree, spawn, strays
 from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobrecord import JobRecord, JobStore, check_name, read_start_ticks, resolve_program
@@ -76,8 +73,6 @@ _KILL_WAIT_S = 5.0
 # A stray scan that has not finished by then is stuck in the kernel (a mount that does not answer).
 _STRAY_SCAN_S = 5.0
 # A keeper reports its leader (or why it could not start it) within this time, or StartJob fails.
-_KEEPER_REPORT_S = 60.0
-_KEEPER = Path(__file__).with_name("keeper.py")
 
 
 @dataclass(**SLOTS)
@@ -100,34 +95,6 @@ def _anchor(job: JobRecord) -> tuple[int, int]:
     if job.keeper:
         return job.keeper[0], job.keeper[1]
     return job.pid, job.proc_start_ticks
-
-
-def _read_report(fd: int, timeout: float, keeper: int) -> str:
-    """Everything the keeper writes on its notify pipe until it closes it (one line); the pipe
-    is closed here. TimeoutError if it says nothing for `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    data = b""
-    try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError
-            if not select.select([fd], [], [], min(left, _STOP_POLL_S * 4))[0]:
-                _wake_if_stopped(proctree.read_proc(keeper))  # our unreaped child: the PID is its
-                continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return data.decode(errors="replace").strip()
-            data += chunk
-    finally:
-        os.close(fd)
-
-
-def _wake_if_stopped(keeper: proctree.Proc | None) -> None:
-    """SIGCONT to a keeper that is stopped: the job it started may have stopped it, and a stopped
-    keeper reaps nothing."""
-    if keeper is not None and keeper.state in ("T", "t"):
-        proctree.send_signal(keeper, signal.SIGCONT)
 
 
 class JobSupervisor:
@@ -321,8 +288,8 @@ class JobSupervisor:
     ) -> JobRecord:
         log_path = self._log_dir / f"{job_id}.log"
         try:
-            keeper, leader, leader_ticks = await self._spawn(
-                job_id, argv, executable, workdir, full_env, log_path
+            keeper, leader, leader_ticks = await spawn.start_keeper(
+                job_id, argv, executable, workdir, full_env, log_path, self._tags
             )
             job = JobRecord(
                 id=job_id,
@@ -361,72 +328,6 @@ class JobSupervisor:
         logger.info("job %s started: pid %s (keeper %s), %s", job_id, job.pid, keeper.pid, shlex.join(argv))
         self._safe_emit(JOB_STARTED, job_id, f"pid {job.pid}: {shlex.join(argv)}")
         return job
-
-    async def _spawn(
-        self,
-        job_id: str,
-        argv: list[str],
-        executable: str,
-        workdir: Path,
-        env: dict[str, str],
-        log_path: Path,
-    ) -> tuple[subprocess.Popen[Any], int, int]:
-        """Start the job's keeper and have it start the leader: (keeper, leader pid, its start ticks)."""
-        self._log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        exit_path = log_path.with_suffix(".exit")
-        exit_path.unlink(missing_ok=True)  # never read some earlier job's status as this one's
-        # What to start goes in a file, not in the keeper's command line: `pkill -f train.py`
-        # must not match the keeper.
-        spec = log_path.with_suffix(".spec")
-        spec_doc = {"exit_file": str(exit_path), "cwd": str(workdir), "executable": executable, "argv": argv}
-        fd = os.open(spec, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(spec_doc, f)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-        notify, notify_w = os.pipe()
-        try:
-            # Off the loop: a fork of a large process, and its exec, take milliseconds.
-            keeper = await asyncio.to_thread(
-                children.popen,
-                [sys.executable, "-I", str(_KEEPER), str(notify_w), str(spec)],
-                cwd="/",
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log_fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                pass_fds=(notify_w,),
-            )
-        except (OSError, ValueError) as e:  # ValueError: NUL byte or "=" in the environment
-            os.close(notify)
-            spec.unlink(missing_ok=True)
-            raise PreconditionError(f"cannot start {argv[0]!r}: {e}") from e
-        finally:
-            os.close(notify_w)
-            os.close(log_fd)
-        try:
-            report = await asyncio.to_thread(_read_report, notify, _KEEPER_REPORT_S, keeper.pid)
-        except TimeoutError:
-            report = f"error its keeper (pid {keeper.pid}) did not report within {_KEEPER_REPORT_S:.0f}s"
-            keeper.kill()  # our unreaped child: the PID is still its
-            table = proctree.scan()
-            for pid in self._tags.tags(table).get(job_id, ()):  # a leader it may have started
-                proctree.send_signal(table.procs[pid], signal.SIGKILL)
-        word, _, rest = report.partition(" ")
-        if word == "ok":
-            leader, ticks, reaper = (int(x) for x in rest.split())
-            if not reaper:
-                logger.warning(
-                    "job %s's keeper could not become a child subreaper: processes the job leaves "
-                    "behind are followed by their session and environment tag only",
-                    job_id,
-                )
-            return keeper, leader, ticks
-        rc = await asyncio.to_thread(keeper.wait)
-        children.release(keeper.pid)
-        spec.unlink(missing_ok=True)
-        why = rest if word == "error" else f"its keeper exited ({rc}) without starting it; see {log_path}"
-        raise PreconditionError(f"cannot start {argv[0]!r}: {why}")
 
     async def stop(self, job_id: str, grace_s: float = 10.0) -> JobRecord:
         """SIGTERM every process of the job, SIGKILL the survivors after `grace_s`; the final record.
@@ -835,7 +736,7 @@ class JobSupervisor:
             job = self._flag_keeper_lost(job)
         keeper = table.procs.get(job.keeper[0]) if job.keeper and not watch.anchor_done else None
         if keeper is not None and keeper.start_ticks == job.keeper[1]:
-            _wake_if_stopped(keeper)
+            spawn.wake_if_stopped(keeper)
         leader_live = table.live(job.pid, job.proc_start_ticks)
         if job.keeper and not watch.rc_known and not leader_live:
             # Only once the leader is gone: the job itself may write that file. Final only once

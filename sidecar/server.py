@@ -30,7 +30,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from sidecar import __version__, mounts, reap
 from sidecar.backlog import AtRisk, Backlog
 from sidecar.bell import Bell
-from sidecar.cellqueue import Entry, QueueRunner
+from sidecar.cellqueue import QueueRunner
 from sidecar.config import Settings
 from sidecar.errors import ChangedError, NotFoundError, PreconditionError
 from sidecar.evidence import CHANGED, TEMP, UNCLAIMABLE, WRITING, BoxEvidence, box_evidence, unsealed
@@ -41,6 +41,7 @@ from sidecar.jobs import JobSupervisor
 from sidecar.ledger import ClaimRow, EventRow, Ledger
 from sidecar.manifest import manifest_digest
 from sidecar.paths import ArtifactNamer, open_regular
+from sidecar.queuerecord import Entry
 from sidecar.release import Releaser
 from sidecar.rpcerrors import translated
 from sidecar.sealer import Sealer

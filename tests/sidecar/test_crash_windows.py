@@ -15,9 +15,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from sidecar.cellqueue import CellEvidence, Entry, QueueRunner
+from sidecar.cellqueue import QueueRunner
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
+from sidecar.queuerecord import CellEvidence, Entry
 from tests.conftest import REPO, wait_until
 from tests.sidecar.test_jobs import Events, until
 from tests.test_gate_reasons import tiny_tmpfs  # noqa: F401 - the fixture
@@ -41,7 +42,8 @@ sys.exit(0)
 FIRST = r"""
 import asyncio, os, sys
 from pathlib import Path
-from sidecar.cellqueue import CellEvidence, Entry, QueueRunner
+from sidecar.cellqueue import QueueRunner
+from sidecar.queuerecord import CellEvidence, Entry
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import Ledger
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import sidecar.jobs
+import sidecar.spawn
 from sidecar import children
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
@@ -298,8 +299,8 @@ def test_a_keeper_that_never_reports_fails_the_start(
 ) -> None:
     fake = tmp_path / "keeper.py"
     fake.write_text(keeper)
-    monkeypatch.setattr("sidecar.jobs._KEEPER", fake)
-    monkeypatch.setattr("sidecar.jobs._KEEPER_REPORT_S", 1.0)
+    monkeypatch.setattr("sidecar.spawn.KEEPER", fake)
+    monkeypatch.setattr("sidecar.spawn.KEEPER_REPORT_S", 1.0)
 
     async def body(sup: JobSupervisor, events: Events) -> None:
         with pytest.raises(PreconditionError, match=why):
@@ -312,7 +313,7 @@ def test_a_keeper_that_never_reports_fails_the_start(
 
 def self_stopping_keeper(tmp_path: Path) -> Path:
     """A keeper that stops itself (SIGSTOP) before anything else, then runs the real one."""
-    real = sidecar.jobs._KEEPER
+    real = sidecar.spawn.KEEPER
     path = tmp_path / "keeper.py"
     path.write_text(
         "import os, runpy, signal, sys\n"
@@ -327,13 +328,13 @@ def test_a_stopped_keeper_is_woken_so_that_stop_job_ends_the_job(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A stopped keeper reaps nothing and reports nothing: the job (same user) can stop it."""
-    real = sidecar.jobs._KEEPER
+    real = sidecar.spawn.KEEPER
     stops_itself = self_stopping_keeper(tmp_path)
 
     async def body(sup: JobSupervisor, events: Events) -> None:
-        monkeypatch.setattr("sidecar.jobs._KEEPER", stops_itself)
+        monkeypatch.setattr("sidecar.spawn.KEEPER", stops_itself)
         job = await sup.start(py("import time; time.sleep(60)"))  # woken: it reported in time
-        monkeypatch.setattr("sidecar.jobs._KEEPER", real)
+        monkeypatch.setattr("sidecar.spawn.KEEPER", real)
         assert job.state == "running" and is_alive(job.pid)
         keeper = job.keeper[0]
         os.kill(keeper, signal.SIGSTOP)  # again, now that it runs: our own child, the PID is its
@@ -355,7 +356,7 @@ def test_a_job_is_starting_until_recorded_and_recorded_even_if_its_caller_gives_
     """Between the keeper's start and the job's record the leader may already run: the job is
     "starting" (a release refuses), and a cancelled StartJob still records it (it runs)."""
     # It stops itself before it reports (and is woken): the start takes a while.
-    monkeypatch.setattr("sidecar.jobs._KEEPER", self_stopping_keeper(tmp_path))
+    monkeypatch.setattr("sidecar.spawn.KEEPER", self_stopping_keeper(tmp_path))
 
     async def body(sup: JobSupervisor, events: Events) -> None:
         caller = asyncio.ensure_future(sup.start(py("import time; time.sleep(60)")))

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from sidecar import cellqueue
-from sidecar.cellqueue import CellEvidence, Entry, QueueRecord, QueueRunner
+from sidecar import cellqueue, queuerecord
+from sidecar.cellqueue import QueueRunner
 from sidecar.errors import PreconditionError
 from sidecar.identity import FileIdentity
 from sidecar.jobrecord import JobRecord
 from sidecar.jobs import JobSupervisor
 from sidecar.ledger import ClaimRow, Ledger
+from sidecar.queuerecord import CellEvidence, Entry, QueueRecord
 from tests.sidecar.test_jobs import Events, until
 
 MARK = "import sys; open(sys.argv[1], 'a').write('x')"  # one "x" per run
@@ -199,24 +200,24 @@ def test_the_outcome_of_a_cell_is_its_exit_status_and_state() -> None:
         ({"state": "stopped", "exit_code": -15}, ("failed", "stopped")),
     ]
     for change, want in cases:
-        assert cellqueue._outcome(dataclasses.replace(base, **change)) == want  # type: ignore[arg-type]
+        assert queuerecord.outcome(dataclasses.replace(base, **change)) == want  # type: ignore[arg-type]
     # Lost: the sidecar was not its parent when it ended, so nobody knows how it ended: failed.
-    state, why = cellqueue._outcome(dataclasses.replace(base, state="lost", exit_code=None))
+    state, why = queuerecord.outcome(dataclasses.replace(base, state="lost", exit_code=None))
     assert state == "failed" and why.startswith("lost")
 
 
 def test_durability_and_result() -> None:
     now = 100 * 10**9
     ended = now - 5 * 10**9
-    assert cellqueue.durability(CellEvidence(2, 2, 0), ended, now, 10) == pb.CELL_DURABLE
-    assert cellqueue.durability(CellEvidence(2, 1, 0), ended, now, 10) == pb.CELL_PUSHING
-    assert cellqueue.durability(CellEvidence(2, 2, 1), ended, now, 10) == pb.CELL_PUSHING
+    assert queuerecord.durability(CellEvidence(2, 2, 0), ended, now, 10) == pb.CELL_DURABLE
+    assert queuerecord.durability(CellEvidence(2, 1, 0), ended, now, 10) == pb.CELL_PUSHING
+    assert queuerecord.durability(CellEvidence(2, 2, 1), ended, now, 10) == pb.CELL_PUSHING
     # Nothing claimed: on its way until the settle time has passed, then NO_CHECKPOINT.
-    assert cellqueue.durability(CellEvidence(0, 0, 0), ended, now, 10) == pb.CELL_PUSHING
-    assert cellqueue.durability(CellEvidence(0, 0, 0), ended, now, 5) == pb.CELL_NO_CHECKPOINT
-    assert cellqueue.durability(CellEvidence(0, 0, 1), ended, now, 1) == pb.CELL_PUSHING
+    assert queuerecord.durability(CellEvidence(0, 0, 0), ended, now, 10) == pb.CELL_PUSHING
+    assert queuerecord.durability(CellEvidence(0, 0, 0), ended, now, 5) == pb.CELL_NO_CHECKPOINT
+    assert queuerecord.durability(CellEvidence(0, 0, 1), ended, now, 1) == pb.CELL_PUSHING
 
-    r = cellqueue.result
+    r = queuerecord.result
     assert r(["done", "pending"], [pb.CELL_DURABLE]) == pb.QUEUE_RUNNING
     assert r(["done", "running"], [pb.CELL_DURABLE]) == pb.QUEUE_RUNNING
     assert r(["done", "skipped"], [pb.CELL_DURABLE, pb.CELL_DURABLE]) == pb.QUEUE_OK
@@ -257,7 +258,7 @@ def test_evidence_counts_each_cells_claims_and_waiting_entries_in_one_pass() -> 
         claim("b/ckpt-1.pt", True),
         claim("top.pt", True),  # right in the watched dir: no cell's
     ]
-    got = cellqueue.evidence_of(
+    got = queuerecord.evidence_of(
         ["a", "b", "c"], {"a/": "a", "b/": "b", "c/": "c"}, claims, ["a/ckpt-3.pt", "c"]
     )
     assert got == {"a": CellEvidence(2, 1, 1), "b": CellEvidence(1, 1, 0), "c": CellEvidence(0, 0, 0)}
@@ -269,7 +270,7 @@ def test_evidence_counts_each_cells_claims_and_waiting_entries_in_one_pass() -> 
         claim("w1/b/z.pt", True),
         claim("a/q.pt", True),
     ]
-    got = cellqueue.evidence_of(["a", "b"], owner, claims, [])
+    got = queuerecord.evidence_of(["a", "b"], owner, claims, [])
     assert got == {"a": CellEvidence(2, 2, 0), "b": CellEvidence(0, 0, 0)}
 
 
