@@ -44,7 +44,7 @@ import math
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,8 @@ class QueuedCellSpec:
     argv: tuple[str, ...]
     cwd: str
     env: Mapping[str, str]
+    box: str = ""  # a plan's cell: the box it runs on ("" or "any": whichever the plan spreads it to)
+    line: int | None = field(default=None, compare=False)  # its [[cell]] header's line, where known
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,15 @@ def parse_cells(text: str, *, file: str, default_name: str) -> CellsFile:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{file}: not valid TOML: {e}") from e
-    top = _Table(data, file=file)
+    top = Table(data, file=file)
+    cells = cells_of(top, text, file=file, default_name=default_name)
+    top.done()
+    return cells
+
+
+def cells_of(top: Table, text: str, *, file: str, default_name: str, plan: bool = False) -> CellsFile:
+    """The queue part of a file (name, restart policy, [defaults], [[cell]]) read from its top
+    table `top` (the caller reads the rest, then calls top.done()). `plan`: a cell may name its box."""
     if top.has("name"):
         name = _checked(top, "name", top.text("name"), "queue name")
     else:
@@ -114,20 +124,20 @@ def parse_cells(text: str, *, file: str, default_name: str) -> CellsFile:
 
     defaults = _Defaults()
     if top.has("defaults"):
-        line = _one(_header_lines(text, "defaults", array=False))
-        d = _Table(top.get_table("defaults"), file=file, prefix="defaults", line=line)
+        line = _one(header_lines(text, "defaults", array=False))
+        d = Table(top.get_table("defaults"), file=file, prefix="defaults", line=line)
         defaults = _Defaults(d.argv("command"), d.cwd("cwd"), d.env("env"))
         d.done()
 
     rows = top.rows("cell")
-    lines = _header_lines(text, "cell", array=True)
+    lines = header_lines(text, "cell", array=True)
     if len(lines) != len(rows):
         lines = []  # cells given another way (an inline array), or a header inside a string
     cells: list[QueuedCellSpec] = []
     first: dict[str, int] = {}  # cell name -> its index
     for i, row in enumerate(rows):
-        t = _Table(row, file=file, line=lines[i] if lines else None, cell=i + 1)
-        cell = _cell(t, defaults)
+        t = Table(row, file=file, line=lines[i] if lines else None, cell=i + 1)
+        cell = _cell(t, defaults, plan=plan)
         if cell.name in first:
             j = first[cell.name]
             at = f" (line {lines[j]})" if lines else ""
@@ -136,7 +146,6 @@ def parse_cells(text: str, *, file: str, default_name: str) -> CellsFile:
             )
         first[cell.name] = i
         cells.append(cell)
-    top.done()
     return CellsFile(name, tuple(cells), restart, max_restarts, backoff)
 
 
@@ -177,7 +186,7 @@ class _Defaults:
     env: Mapping[str, str] | None = None
 
 
-def _cell(t: _Table, defaults: _Defaults) -> QueuedCellSpec:
+def _cell(t: Table, defaults: _Defaults, *, plan: bool = False) -> QueuedCellSpec:
     name = _checked(t, "name", t.text("name"), "cell name")
     t.name = name  # every message from here on names the cell
     argv = t.argv("command") or defaults.argv
@@ -189,11 +198,12 @@ def _cell(t: _Table, defaults: _Defaults) -> QueuedCellSpec:
         )
     cwd = t.cwd("cwd")
     env = {**(defaults.env or {}), **(t.env("env") or {})}
+    box = t.text("box", required=False, default="") if plan else ""
     t.done()
-    return QueuedCellSpec(name, argv, (defaults.cwd or "") if cwd is None else cwd, env)
+    return QueuedCellSpec(name, argv, (defaults.cwd or "") if cwd is None else cwd, env, box, t.line)
 
 
-def _checked(t: _Table, key: str, value: str, what: str) -> str:
+def _checked(t: Table, key: str, value: str, what: str) -> str:
     try:
         return boxes.check_name(value, what)
     except UsageError as e:
@@ -207,7 +217,7 @@ def _stem_name(file: str, stem: str) -> str:
         raise UsageError(f'{file}: {e}; or add name = "..." to the file') from None
 
 
-class _Table(Fields):
+class Table(Fields):
     """Fields with this file's messages ("cells.toml:14: [[cell]] 3 ('lr-1e-3'): field env: ...")
     and the getters a queue file needs that Fields lacks."""
 
@@ -219,20 +229,36 @@ class _Table(Fields):
         prefix: str = "",
         line: int | None = None,
         cell: int | None = None,
+        section: str = "cell",
     ) -> None:
         super().__init__(data, prefix, file)
         self.data, self.file, self.prefix, self.line, self.cell = data, file, prefix, line, cell
+        self.section = section  # the [[section]] the table is one of (with `cell`: its number)
         self.name = ""  # the cell's name, once read and checked
 
     def fail(self, key: str, problem: str) -> UsageError:
         where = f"{self.file}:{self.line}" if self.line else self.file
         if self.cell is not None:
-            where += f": [[cell]] {self.cell}" + (f" ({self.name!r})" if self.name else "")
+            where += f": [[{self.section}]] {self.cell}" + (f" ({self.name!r})" if self.name else "")
         field = f"{self.prefix}.{key}" if self.prefix else key
         return UsageError(f"{where}: field {field}: {problem}")
 
     def has(self, key: str) -> bool:
         return key in self.data
+
+    def text_list(self, key: str) -> tuple[str, ...]:
+        """A list of non-empty strings without NUL bytes; () if absent."""
+        v = self._get(key, list, "a list of strings", False)
+        if v is None:
+            return ()
+        for i, item in enumerate(v):
+            if not isinstance(item, str) or not item or "\0" in item:
+                raise self.fail(f"{key}[{i}]", f"must be a non-empty string without NUL bytes, not {item!r}")
+        return tuple(v)
+
+    def number_or_none(self, key: str) -> float | None:
+        v = self._get(key, (int, float), "a number", False)
+        return None if v is None else float(v)
 
     def choice(self, key: str, choices: Sequence[str]) -> str | None:
         v = self._get(key, str, "a string", False)
@@ -320,7 +346,7 @@ class _Table(Fields):
         return dict(v)
 
 
-def _header_lines(text: str, key: str, *, array: bool) -> list[int]:
+def header_lines(text: str, key: str, *, array: bool) -> list[int]:
     """The line numbers (from 1) of the `[[key]]` (or `[key]`) header lines. Only "\\n" ends a TOML
     line (U+2028 or U+0085 inside a string does not), so the text is split on it alone."""
     name = rf"""[ \t]*(?:{key}|"{key}"|'{key}')[ \t]*"""
