@@ -62,6 +62,7 @@ COMMANDS = (
     "reap",
     "queue",
     "metrics",
+    "fanout",
 )
 
 
