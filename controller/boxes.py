@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import re
 import time
@@ -586,32 +587,37 @@ class BoxStatus:
     health: pb.HealthSnapshot | None
     error: str = ""
 
-    def last_seen(self) -> str:
+    def last_seen_s(self) -> float | None:
+        """Seconds since the sidecar last answered this controller (None: never)."""
         if not self.box.last_contact_ns:
-            return "never answered"
-        ago = max(0, time.time_ns() - self.box.last_contact_ns) // 1_000_000_000
-        return f"last seen {ago // 3600}h{ago // 60 % 60:02d}m{ago % 60:02d}s ago"
+            return None
+        return round(max(0, time.time_ns() - self.box.last_contact_ns) / 1e9, 1)
 
     def row(self) -> dict[str, object]:
-        r: dict[str, object] = {"box": self.box.name, "profile": self.box.profile, "status": self.box.status}
-        if self.box.host:
-            r["host"] = self.box.host
+        """The box for `status --json` (STATUS_SCHEMA): numbers, booleans and enum strings only,
+        absent values null; prose only in `error` and the alerts' `detail`."""
+        r: dict[str, object] = {
+            "box": self.box.name,
+            "profile": self.box.profile,
+            "status": self.box.status,
+            "host": self.box.host or None,
+            "last_contact_unix_ns": self.box.last_contact_ns or None,
+            "last_seen_s": self.last_seen_s(),
+        }
         if self.hello is None or self.health is None:
             if self.box.status == "up":
-                r["sidecar"] = f"UNREACHABLE ({self.last_seen()}): {self.error}"
-                r["unreachable"] = True
-                r["last_contact_ns"] = self.box.last_contact_ns
-            else:
-                r["sidecar"] = self.box.status
+                r.update(unreachable=True, error=self.error)
             return r
-        a = self.health.artifacts
-        running = [j for j in self.health.jobs if j.state == pb.JOB_STATE_RUNNING]
-        watch_free = [d.free_bytes for d in self.health.disks if d.role == "watch"]
+        h = self.health
+        a = h.artifacts
+        running = [j for j in h.jobs if j.state == pb.JOB_STATE_RUNNING]
+        watch_free = [d.free_bytes for d in h.disks if d.role == "watch"]
         r.update(
-            sidecar=f"{self.hello.version} pid {self.hello.pid}",
-            jobs=f"{len(running)} running / {len(self.health.jobs)}",
+            unreachable=False,
+            error="",
+            sidecar={"version": self.hello.version, "pid": self.hello.pid},
             jobs_running=len(running),
-            jobs_total=len(self.health.jobs),
+            jobs_total=len(h.jobs),
             claims=a.sealed,
             durable=a.durable,
             # Every durable claim is proven one way or the other: what the store's checksum alone
@@ -621,9 +627,46 @@ class BoxStatus:
             not_durable=a.not_durable_bytes,
             push_lag_s=a.push_lag_ms / 1000,
             push_bytes_per_s=round(a.push_bytes_per_s, 1),
-            disk_free=min(watch_free) if watch_free else "",
-            cpu_percent=round(self.health.self.cpu_percent, 2),
-            rss_bytes=self.health.self.rss_bytes,
+            disk_free=min(watch_free) if watch_free else None,
+            disks=[
+                {
+                    "path": d.path,
+                    "role": d.role,
+                    "free_bytes": d.free_bytes,
+                    "total_bytes": d.total_bytes,
+                    "free_inodes": d.free_inodes,
+                    "total_inodes": d.total_inodes,
+                }
+                for d in h.disks
+            ],
+            gpus=[
+                {
+                    "index": g.index,
+                    "name": g.name,
+                    "utilization_percent": g.utilization_percent
+                    if g.HasField("utilization_percent")
+                    else None,
+                    "memory_used_bytes": g.memory_used_bytes if g.HasField("memory_used_bytes") else None,
+                    "memory_total_bytes": g.memory_total_bytes if g.HasField("memory_total_bytes") else None,
+                }
+                for g in h.gpus
+            ],
+            progress=[
+                {
+                    "job_id": j.id,
+                    "cell": j.cell or None,
+                    "step": j.progress.step if j.progress.HasField("step") else None,
+                    # JSON has no NaN: a non-finite loss is null, and counted in `nonfinite`.
+                    "loss": j.progress.loss
+                    if j.progress.HasField("loss") and math.isfinite(j.progress.loss)
+                    else None,
+                    "nonfinite": j.progress.nonfinite,
+                    "steps_per_s": j.progress.steps_per_s if j.progress.HasField("steps_per_s") else None,
+                }
+                for j in running
+            ],
+            cpu_percent=round(h.self.cpu_percent, 2),
+            rss_bytes=h.self.rss_bytes,
             alerts=[
                 {
                     "kind": pb.EventKind.Name(a.kind) if a.kind in pb.EventKind.values() else str(a.kind),
@@ -631,13 +674,15 @@ class BoxStatus:
                     "detail": a.detail,
                     "since_unix_ns": a.since_unix_ns,
                 }
-                for a in self.health.alerts
+                for a in h.alerts
             ],
-            stale_probes=[p.name for p in self.health.probes if p.stale],
+            stale_probes=[p.name for p in h.probes if p.stale],
         )
         return r
 
 
+STATUS_SCHEMA = 2
+"""`status --json`'s schema version (README "status --json"): 2 has numbers and enums only."""
 STATUS_DEADLINE_S = 10.0
 """How long `status` waits for one box; every box is asked at once, so a hung one costs no more."""
 

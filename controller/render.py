@@ -188,9 +188,21 @@ def status_cells(r: dict[str, object]) -> tuple[list[list[str]], str]:
     """One `status` row as the table's cells, each a few short lines (so that seven columns fit in
     80), and the sidecar's long story (unreachable since when and why, a teardown left unfinished)
     for a note under the table ("" when there is none)."""
-    sidecar = str(r.get("sidecar", ""))
-    short = sidecar.split(" (", 1)[0].split(": ", 1)[0]
-    note = sidecar if short != sidecar else ""
+    sidecar = r.get("sidecar")
+    note = ""
+    if r.get("unreachable"):
+        short = "UNREACHABLE"
+        seen = r.get("last_seen_s")
+        ago = "never answered" if not isinstance(seen, (int, float)) else f"last seen {_ago(seen)} ago"
+        note = f"UNREACHABLE ({ago}): {r.get('error', '')}"
+    elif isinstance(sidecar, dict):
+        short = str(sidecar.get("version", ""))
+    else:
+        short = str(r.get("status", ""))
+    teardown = r.get("teardown")
+    if isinstance(teardown, dict):
+        unfinished = "teardown unfinished: " if r.get("status") == "up" else ""
+        note = f"{note or short} ({unfinished}{teardown.get('summary', '')})"
     box = [str(r["box"]), str(r.get("profile", ""))]
     if "claims" not in r:  # not asked (not up) or no answer: only what the controller knows
         return [box, [short], [], [], [], [], []], note
@@ -209,13 +221,18 @@ def status_cells(r: dict[str, object]) -> tuple[list[list[str]], str]:
     free = r.get("disk_free")
     return [
         box,
-        [short.split(" pid ", 1)[0]],  # its pid is in `status --json`
+        [short],  # its pid is in `status --json`
         jobs if total else ["none"],
         durable,
         risk,
         [human_rate(rate) if isinstance(rate, (int, float)) else ""],
         [human_bytes(free) if isinstance(free, int) else ""],
     ], note
+
+
+def _ago(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s // 60 % 60:02d}m{s % 60:02d}s"
 
 
 def _count(r: dict[str, object], key: str) -> int:

@@ -24,6 +24,22 @@ def scrape(url: str) -> set[str]:
     return {f.name for f in text_string_to_metric_families(text)}
 
 
+PROSE = {"box", "profile", "status", "host", "error", "version", "path", "role", "kind", "subject"}
+PROSE |= {"detail", "job_id", "cell", "name", "summary"}
+
+
+def human_strings(doc: object, key: str = "") -> list[str]:
+    """Every string of a `status --json` document that is not a name, an enum or a message: the
+    figures must be numbers ("1 running / 3", "0.0s" were once strings)."""
+    if isinstance(doc, dict):
+        return [s for k, v in doc.items() for s in human_strings(v, str(k))]
+    if isinstance(doc, list):
+        return [s for v in doc for s in human_strings(v, key)]
+    if isinstance(doc, str) and key not in PROSE and key != "stale_probes":
+        return [f"{key}={doc!r}"]
+    return []
+
+
 def config(bw: Bw, name: str) -> dict[str, object]:
     return dict(json.loads((bw.home / "boxes" / name / "sidecar.json").read_text()))
 
@@ -63,7 +79,13 @@ def test_health_settings_reach_the_sidecar_and_a_change_restarts_it(bw: Bw) -> N
     cfg = config(bw, "h1")
     assert (cfg["stallS"], cfg["stepRegex"], cfg["metricsPort"]) == (600, r"it (?P<step>\d+)", port)
     assert pid_alive(job["pid"])  # the job outlived the restart, and the new sidecar follows it
-    assert bw.json("status", "h1")["boxes"][0]["jobs_running"] == 1
+    doc = bw.json("status", "h1")
+    assert doc["schema"] == 2
+    (row,) = doc["boxes"]
+    assert row["jobs_running"] == 1 and row["sidecar"] == {"version": row["sidecar"]["version"], "pid": after}
+    assert [p["job_id"] for p in row["progress"]] == [job["id"]] and row["gpus"] == []
+    assert {d["role"] for d in row["disks"]} >= {"watch", "state"}
+    assert not human_strings(row), human_strings(row)
     bw.ok("stop", "h1", job["id"], "--grace", "1")
 
 

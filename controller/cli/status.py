@@ -23,12 +23,8 @@ def command(names: tuple[str, ...], as_json: bool) -> None:
         earlier = teardown.unfinished(state, s.box)
         if earlier is not None:
             row["teardown"] = earlier.to_json()
-            shown = row.get("sidecar", "") if s.box.status == "up" else s.box.status
-            row["sidecar"] = (
-                f"{shown} ({'teardown unfinished: ' if s.box.status == 'up' else ''}{earlier.describe()})"
-            )
         rows.append(row)
     if as_json:
-        render.json_out({"boxes": rows})
+        render.json_out({"schema": boxes.STATUS_SCHEMA, "boxes": rows})
     else:
         render.status(rows)

@@ -18,7 +18,7 @@ def test_up_twice_leaves_the_running_sidecar_alone(bw: Bw) -> None:
     assert all(pid_alive(p) for p in first)
     rows = bw.json("status")["boxes"]
     assert [r["box"] for r in rows] == ["b1"]
-    assert rows[0]["sidecar"].startswith("0.1.0 pid ")
+    assert rows[0]["sidecar"]["version"] == "0.1.0" and rows[0]["sidecar"]["pid"] > 0
 
 
 def test_unsafe_box_name_is_refused_before_anything_runs(bw: Bw) -> None:

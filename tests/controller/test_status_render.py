@@ -18,8 +18,7 @@ def row(name: str = "exp1", **over: object) -> dict[str, object]:
         "box": name,
         "profile": "local",
         "status": "up",
-        "sidecar": "0.1.0 pid 123456",
-        "jobs": "1 running / 2",
+        "sidecar": {"version": "0.1.0", "pid": 123456},
         "jobs_running": 1,
         "jobs_total": 2,
         "claims": 5,
@@ -92,7 +91,7 @@ def test_a_status_row_becomes_short_cells() -> None:
             not_durable=0,
             push_lag_s=0.0,
             push_bytes_per_s=0.0,
-            disk_free="",
+            disk_free=None,
         )
     )
     assert quiet[2:] == [["none"], ["0 of 5"], ["0 B"], ["-"], [""]]
@@ -103,7 +102,14 @@ def test_an_unreachable_box_shows_its_story_under_the_table(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     story = "UNREACHABLE (last seen 0h01m02s ago): Hello: the sidecar did not answer (UNAVAILABLE: gone)"
-    gone = {"box": "b2", "profile": "runpod", "status": "up", "sidecar": story, "unreachable": True}
+    gone = {
+        "box": "b2",
+        "profile": "runpod",
+        "status": "up",
+        "unreachable": True,
+        "error": "Hello: the sidecar did not answer (UNAVAILABLE: gone)",
+        "last_seen_s": 62.4,
+    }
     cells, note = render.status_cells(gone)
     assert (cells[1], note) == (["UNREACHABLE"], story)
     render.status([row(), gone])

@@ -201,7 +201,7 @@ def test_down_killed_during_the_meter_stop_is_shown_and_continued_by_polling(bw:
     assert not (p["watch"] / "cell-a" / "best.safetensors").exists()  # released before the stop was sent
     row = box_row(bw)
     assert row["status"] == "tearing-down"
-    assert "meter stop sent" in row["sidecar"] and "not proven" in row["sidecar"]
+    assert "meter stop sent" in row["teardown"]["summary"] and "not proven" in row["teardown"]["summary"]
     assert set(row["teardown"]["steps"]) == {"release", "shutdown", "sidecar_gone", "meter_stop"}
     dry = bw.json("down", NAME, "--dry-run", code=3)
     assert dry["allowed"] is False and [r["code"] for r in dry["reasons"]] == ["TEARDOWN_UNFINISHED"]
