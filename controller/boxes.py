@@ -627,6 +627,7 @@ class BoxStatus:
             not_durable=a.not_durable_bytes,
             push_lag_s=a.push_lag_ms / 1000,
             push_bytes_per_s=round(a.push_bytes_per_s, 1),
+            last_checkpoint_unix_ns=a.newest_sealed_unix_ns or None,
             disk_free=min(watch_free) if watch_free else None,
             disks=[
                 {
@@ -687,16 +688,19 @@ STATUS_DEADLINE_S = 10.0
 """How long `status` waits for one box; every box is asked at once, so a hung one costs no more."""
 
 
-async def status(state: State, names: Sequence[str]) -> list[BoxStatus]:
+async def status(
+    state: State, names: Sequence[str], *, deadline_s: float = STATUS_DEADLINE_S
+) -> list[BoxStatus]:
+    """Every box (or the named ones) asked at once, each within `deadline_s`."""
     boxes = [state.get(n) for n in names] if names else state.boxes()
 
     async def one(box: Box) -> BoxStatus:
         if box.status != "up":
             return BoxStatus(box, None, None)
         try:
-            hello, health = await asyncio.wait_for(_ask(box), STATUS_DEADLINE_S)
+            hello, health = await asyncio.wait_for(_ask(box), deadline_s)
         except TimeoutError:
-            return BoxStatus(box, None, None, error=f"no answer within {STATUS_DEADLINE_S:.0f}s")
+            return BoxStatus(box, None, None, error=f"no answer within {deadline_s:.0f}s")
         except ControllerError as e:
             return BoxStatus(box, None, None, error=str(e))
         state.touch(box.name)

@@ -258,14 +258,16 @@ class HealthHub:
             snap.alerts.append(
                 pb.Alert(kind=_kind(a.kind), subject=a.subject, detail=a.detail, since_unix_ns=a.since_ns)
             )
-        self._artifacts_to_pb(snap, summary.server_checksum, summary.durable_only)
+        self._artifacts_to_pb(snap, summary.server_checksum, summary.durable_only, summary.newest)
         s = self._sampler.sample()
         snap.self.CopyFrom(
             pb.SelfStats(cpu_percent=s.cpu_percent, rss_bytes=s.rss_bytes, uptime_s=s.uptime_s)
         )
         return snap
 
-    def _artifacts_to_pb(self, snap: pb.HealthSnapshot, server_checksum: int, durable_only: int) -> None:
+    def _artifacts_to_pb(
+        self, snap: pb.HealthSnapshot, server_checksum: int, durable_only: int, newest: ClaimRow | None
+    ) -> None:
         # Counters the ledger keeps as it changes, and one index lookup: no scan of the claims.
         n = self._ledger.counts
         oldest = self._ledger.oldest_not_durable_ns()
@@ -279,6 +281,7 @@ class HealthHub:
                 push_bytes_per_s=self._bandwidth.bytes_per_s() if self._bandwidth else 0.0,
                 server_checksum=server_checksum,
                 durable_only=durable_only,
+                newest_sealed_unix_ns=newest.sealed_at_ns if newest is not None else 0,
             )
         )
 

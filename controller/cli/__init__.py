@@ -63,6 +63,7 @@ COMMANDS = (
     "queue",
     "metrics",
     "fanout",
+    "watch",
 )
 
 

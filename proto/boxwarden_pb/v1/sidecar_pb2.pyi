@@ -963,6 +963,7 @@ class ArtifactStats(_message.Message):
     PUSH_BYTES_PER_S_FIELD_NUMBER: _builtins.int
     SERVER_CHECKSUM_FIELD_NUMBER: _builtins.int
     DURABLE_ONLY_FIELD_NUMBER: _builtins.int
+    NEWEST_SEALED_UNIX_NS_FIELD_NUMBER: _builtins.int
     sealed: _builtins.int
     """Current claims."""
     durable: _builtins.int
@@ -981,6 +982,8 @@ class ArtifactStats(_message.Message):
     """Current durable claims proven by the store's checksum only (proof "server-checksum")."""
     durable_only: _builtins.int
     """Current claims whose box-side copy retention deleted (durable_only)."""
+    newest_sealed_unix_ns: _builtins.int
+    """When the newest current claim was sealed (the last checkpoint); 0 if there is none."""
     def __init__(
         self,
         *,
@@ -992,10 +995,11 @@ class ArtifactStats(_message.Message):
         push_bytes_per_s: _builtins.float = ...,
         server_checksum: _builtins.int = ...,
         durable_only: _builtins.int = ...,
+        newest_sealed_unix_ns: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "durable_only", b"durable_only", "not_durable_bytes", b"not_durable_bytes", "push_bytes_per_s", b"push_bytes_per_s", "push_lag_ms", b"push_lag_ms", "sealed", b"sealed", "sealed_bytes", b"sealed_bytes", "server_checksum", b"server_checksum"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["durable", b"durable", "durable_only", b"durable_only", "newest_sealed_unix_ns", b"newest_sealed_unix_ns", "not_durable_bytes", b"not_durable_bytes", "push_bytes_per_s", b"push_bytes_per_s", "push_lag_ms", b"push_lag_ms", "sealed", b"sealed", "sealed_bytes", b"sealed_bytes", "server_checksum", b"server_checksum"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

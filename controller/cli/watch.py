@@ -1,0 +1,68 @@
+"""`boxwarden watch [PLAN|NAME...]`: a live view of boxes (see controller.watchview)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from controller import plan, render, watchview
+from controller.cli.options import open_state
+from controller.errors import UsageError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+
+@click.command("watch")
+@click.argument("targets", nargs=-1, metavar="[PLAN | NAME...]")
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=0.2, max=60),
+    default=1.0,
+    show_default=True,
+    help="Seconds between two refreshes.",
+)
+@click.option("--once", is_flag=True, help="Draw the picture once and exit (for scripts and logs).")
+def command(targets: tuple[str, ...], interval: float, once: bool) -> None:
+    """Watch every box that is up (or the boxes of PLAN, with their cells, or the named boxes)."""
+    state = open_state()
+    queue_name = ""
+    if len(targets) == 1 and targets[0].endswith(".toml") and Path(targets[0]).is_file():
+        p = plan.load_plan(Path(targets[0]))
+        names = [b.name for b in p.boxes]
+        queue_name = p.name
+        unknown = [n for n in names if state.find(n) is None]
+        if unknown:
+            raise UsageError(
+                f"boxes {', '.join(unknown)} of plan {p.name} are not known here: `fanout up` it first"
+            )
+    else:
+        names = list(targets)
+    boxes = [state.get(n) for n in names] if names else [b for b in state.boxes() if b.status == "up"]
+    if not boxes:
+        raise UsageError("no box is up: `boxwarden up NAME ...` or `boxwarden fanout up PLAN` first")
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console(stderr=True, highlight=False)
+
+    if once:
+
+        def show_once(t: Table, alerts: list[str]) -> None:
+            for line in alerts:
+                console.print(f"[bold red]{render.esc(line)}[/]")
+            console.print(t)
+
+        asyncio.run(watchview.run(state, boxes, queue_name, interval_s=interval, once=True, show=show_once))
+        return
+    with Live(console=console, refresh_per_second=4, auto_refresh=False) as live:
+
+        def show(t: Table, alerts: list[str]) -> None:
+            for line in alerts:
+                live.console.print(f"[bold red]{render.esc(line)}[/]")
+            live.update(t, refresh=True)
+
+        asyncio.run(watchview.run(state, boxes, queue_name, interval_s=interval, once=False, show=show))

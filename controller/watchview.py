@@ -1,0 +1,200 @@
+"""`watch`: one live picture of many boxes. Each box is asked by a poller of its own, each call with
+its own deadline, so a box that does not answer shows how long ago it was last seen and never slows
+the other rows; the view redraws from the latest answers at its own pace. Alerts are highlighted in
+the rows and also printed once as a log line above the view (they survive in scrollback).
+
+Per box: its state, its cells (a plan's queue), step and loss, GPU use, the age of its last
+checkpoint, what is not durable yet and the push lag, disk headroom, and what it still lacks before
+`down` may tear it down (as far as a snapshot can tell: the gate itself re-checks every byte).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller import boxes, queues, render
+from controller.errors import ControllerError
+from controller.state import Box, State
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+POLL_DEADLINE_S = 5.0
+
+
+@dataclass
+class Seen:
+    """What the view knows of one box: its latest status row and queue, and when they came."""
+
+    box: Box
+    row: dict[str, object] = field(default_factory=dict)
+    queue: pb.Queue | None = None
+    at: float = 0.0  # time.monotonic() of the latest answer; 0: none yet
+    error: str = ""
+
+
+async def poll(state: State, seen: Seen, queue_name: str, interval_s: float) -> None:
+    """Keep `seen` up to date until cancelled: a status row and (with `queue_name`) the queue."""
+    while True:
+        started = time.monotonic()
+        try:
+            (s,) = await boxes.status(state, [seen.box.name], deadline_s=POLL_DEADLINE_S)
+            seen.row = s.row()
+            seen.box = s.box
+            if s.health is not None and queue_name:
+                qs = await asyncio.wait_for(
+                    queues.list_queues(s.box, queue_name, brief=True), POLL_DEADLINE_S
+                )
+                seen.queue = qs[0] if qs else None
+            seen.error = s.error
+            if not s.error:
+                seen.at = time.monotonic()
+        except (ControllerError, TimeoutError) as e:
+            seen.error = str(e) or "no answer"
+        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+
+
+def lacks(seen: Seen) -> list[str]:
+    """What the box still lacks before it may be torn down, as its snapshot shows."""
+    r = seen.row
+    if r.get("status") != "up":
+        return [str(r.get("status", seen.box.status))]
+    if r.get("unreachable") or not r:
+        return ["an answer"]
+    out = []
+    running = _int(r.get("jobs_running"))
+    if running:
+        out.append(f"{running} job{'s' if running > 1 else ''}")
+    if seen.queue is not None:
+        left = sum(c.state in (pb.CELL_PENDING, pb.CELL_RUNNING) for c in seen.queue.cells)
+        if left:
+            out.append(f"{left} cell{'s' if left > 1 else ''}")
+    not_durable = _int(r.get("claims")) - _int(r.get("durable"))
+    if not_durable:
+        out.append(f"{not_durable} not durable")
+    return out or ["pull+verify"]
+
+
+def _int(v: object) -> int:
+    return v if isinstance(v, int) else 0
+
+
+def _age(ns: object) -> str:
+    if not isinstance(ns, int) or not ns:
+        return "-"
+    return render.human_duration(max(0.0, (time.time_ns() - ns) / 1e9))
+
+
+def row_cells(seen: Seen, now: float) -> list[str]:
+    r = seen.row
+    name = seen.box.name
+    if not r or r.get("unreachable"):
+        ago = f"{render.human_duration(now - seen.at)} ago" if seen.at else "never"
+        return [name, f"UNREACHABLE (seen {ago})", "", "", "", "", ", ".join(lacks(seen))]
+    if r.get("status") != "up":
+        return [name, str(r.get("status")), "", "", "", "", ""]
+    progress = r.get("progress")
+    step = ""
+    if isinstance(progress, list) and progress:
+        p = progress[0]
+        if isinstance(p, dict):
+            loss = p.get("loss")
+            step = f"{p.get('step') if p.get('step') is not None else '-'}"
+            step += f" {loss:.3g}" if isinstance(loss, float) else (" nan" if p.get("nonfinite") else "")
+    gpus = r.get("gpus")
+    gpu = ""
+    if isinstance(gpus, list) and gpus:
+        utils = [g.get("utilization_percent") for g in gpus if isinstance(g, dict)]
+        gpu = " ".join(f"{u}%" for u in utils if isinstance(u, int)) or "?"
+    cells = ""
+    if seen.queue is not None:
+        done = sum(c.state in (pb.CELL_DONE, pb.CELL_SKIPPED) for c in seen.queue.cells)
+        failed = sum(c.state in (pb.CELL_FAILED, pb.CELL_CANCELLED) for c in seen.queue.cells)
+        cells = f"{done}/{len(seen.queue.cells)}" + (f" {failed}F" if failed else "")
+    risk = render.human_bytes(_int(r.get("not_durable")))
+    lag = r.get("push_lag_s")
+    if isinstance(lag, (int, float)) and lag > 0:
+        risk += f" {render.human_duration(lag)}"
+    free = r.get("disk_free")
+    return [
+        name,
+        " ".join(x for x in (cells, step) if x) or "idle",
+        gpu,
+        _age(r.get("last_checkpoint_unix_ns")),
+        risk,
+        render.human_bytes(free) if isinstance(free, int) else "",
+        ", ".join(lacks(seen)),
+    ]
+
+
+COLUMNS = ("box", "cells step loss", "gpu", "ckpt", "at risk", "disk", "lacks")
+
+
+def table(seen: Sequence[Seen], *, expand: bool) -> Table:
+    from rich.table import Table
+
+    now = time.monotonic()
+    t = Table(box=None, show_edge=False, pad_edge=False, expand=False)
+    for title in COLUMNS:
+        t.add_column(title, overflow="fold", max_width=24 if title == "lacks" else None)
+    for s in seen:
+        alerts = s.row.get("alerts")
+        style = "bold red" if (isinstance(alerts, list) and alerts) or s.row.get("unreachable") else None
+        t.add_row(*(render.esc(c) for c in row_cells(s, now)), style=style)
+        if expand and s.queue is not None:
+            for c in s.queue.cells:
+                state = queues.cell_state(c)
+                detail = f" {c.detail}" if c.detail and state in ("failed", "cancelled") else ""
+                t.add_row(render.esc(f"  {c.spec.cell}"), render.esc(f"{state}{detail}"), "", "", "", "", "")
+    return t
+
+
+def new_alerts(seen: Sequence[Seen], shown: set[tuple[str, str, str, int]]) -> list[str]:
+    """Log lines for the alerts not printed yet (each once), and for boxes that stopped answering."""
+    out = []
+    for s in seen:
+        alerts = s.row.get("alerts")
+        for a in alerts if isinstance(alerts, list) else []:
+            if not isinstance(a, dict):
+                continue
+            key = (s.box.name, str(a.get("kind")), str(a.get("subject")), int(a.get("since_unix_ns") or 0))
+            if key not in shown:
+                shown.add(key)
+                out.append(f"{s.box.name}: {a.get('kind')} {a.get('subject')}: {a.get('detail')}")
+    return out
+
+
+async def run(
+    state: State,
+    targets: Sequence[Box],
+    queue_name: str,
+    *,
+    interval_s: float,
+    once: bool,
+    show: Callable[[Table, list[str]], None],
+) -> None:
+    """Poll every box at once and call `show(table, new alert lines)` each interval (once with
+    `once`, after every box answered or missed its deadline)."""
+    seen = [Seen(b) for b in targets]
+    pollers = [asyncio.create_task(poll(state, s, queue_name, interval_s)) for s in seen]
+    shown: set[tuple[str, str, str, int]] = set()
+    try:
+        if once:
+            deadline = time.monotonic() + POLL_DEADLINE_S * 3
+            while any(not s.row and not s.error for s in seen) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown))
+            return
+        while True:
+            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown))
+            await asyncio.sleep(interval_s)
+    finally:
+        for p in pollers:
+            p.cancel()
+        await asyncio.gather(*pollers, return_exceptions=True)
