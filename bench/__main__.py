@@ -18,12 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-from bench import hashing, health, push, remote, s3push, scale, trainstep
+from bench import fleet, hashing, health, push, remote, s3push, scale, trainstep
 from bench.common import REPO, Context, FigureResult, MiB, fs_type, is_memory_fs, machine_info
 
 logger = logging.getLogger(__name__)
 
-FIGURES: dict[str, ModuleType] = {m.KEY: m for m in (hashing, push, s3push, trainstep, health, scale, remote)}
+FIGURES: dict[str, ModuleType] = {
+    m.KEY: m for m in (hashing, push, s3push, trainstep, health, scale, remote, fleet)
+}
 
 DEFAULT_OUTPUT = REPO / "bench" / "results.json"
 # Copies written there are sized like checkpoints; /tmp is often tmpfs (RAM), where "durable" and

@@ -104,6 +104,7 @@ async def up(
     keep: str | None = None,
     push_rate: str | None = None,
     health: HealthOptions | None = None,
+    price_per_hour: float | None = None,
 ) -> UpOutcome:
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
@@ -214,6 +215,9 @@ async def up(
         exclude=tuple(exclude) or (live.exclude if live is not None else ()),
         keep=keep if keep is not None else (live.keep if live is not None else ""),
         health=(health or HealthOptions()).merged(live),
+        price_per_hour=price_per_hour
+        if price_per_hour is not None
+        else (live.price_per_hour if live is not None else 0.0),
         push_rate=rate if rate is not None else (live.push_rate if live is not None else 0),
         host=host or "",
         options=options,
@@ -303,6 +307,7 @@ class UpSpec:
     credentials: str | None = None  # the text of --durable-credentials (never shown, never kept here)
     keep: str = ""  # retention rules (`--keep`), checked as text; the sidecar reads them
     health: HealthOptions = HealthOptions(0, "", "", 0, 0)  # every setting resolved (see merged)
+    price_per_hour: float = 0.0
     push_rate: int = 0  # bytes/s of the box's pushes (`--push-rate`); 0: the sidecar's default, -1: none
 
 
@@ -430,6 +435,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         loss_regex=spec.health.loss_regex or "",
         memory_high_percent=spec.health.memory_high_percent or 0,
         metrics_port=spec.health.metrics_port or 0,
+        price_per_hour=spec.price_per_hour,
     )
     # Health settings the running sidecar does not have: it is restarted to read them (its jobs
     # and queues go on).
@@ -618,6 +624,12 @@ class BoxStatus:
             sidecar={"version": self.hello.version, "pid": self.hello.pid},
             jobs_running=len(running),
             jobs_total=len(h.jobs),
+            # When the last job ended, while none runs (the box idles since): null otherwise.
+            jobs_ended_unix_ns=None
+            if running or not h.jobs
+            else max(j.ended_at_unix_ns for j in h.jobs) or None,
+            price_per_hour=self.box.price_per_hour or None,
+            up_since_unix_ns=self.box.created_at_ns,
             claims=a.sealed,
             durable=a.durable,
             # Every durable claim is proven one way or the other: what the store's checksum alone

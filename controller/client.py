@@ -267,6 +267,13 @@ class SidecarClient:
             return snap
         raise SidecarUnreachable("WatchHealth: the sidecar sent no snapshot")
 
+    def watch_health(self, *, idle_s: float = STREAM_IDLE_S) -> AsyncIterator[pb.HealthSnapshot]:
+        """The latest health snapshot, then one per sampling interval, until cancelled; a sidecar
+        that sends none for `idle_s` is unreachable."""
+        return self._stream(
+            "WatchHealth", lambda: self.stub.WatchHealth(pb.WatchHealthRequest()), idle_s=idle_s
+        )
+
     def watch_events(self, after_seq: int, *, follow: bool) -> AsyncIterator[pb.Event]:
         """The box's journal after `after_seq`; with `follow`, then new events as they happen (a
         quiet box sends nothing for a long time: no idle limit then)."""

@@ -152,6 +152,7 @@ async def _one(state: State, plan: Plan, plan_dir: Path, b: PlanBox, cells: list
             host=b.host or None,
             ssh_options=b.ssh_options,
             ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
+            price_per_hour=b.price_per_hour,
         )
         out.up = "started" if result.result.started else "running"
     except ControllerError as e:

@@ -98,6 +98,7 @@ class Box:
     loss_regex: str = ""  # the loss: a regex with a group (?P<loss>...)
     memory_high_percent: int = 0  # MEMORY_HIGH over this share of the box's memory limit
     metrics_port: int = 0  # the Prometheus endpoint on the box's 127.0.0.1 (0: none)
+    price_per_hour: float = 0.0  # what the box costs an hour (`up --price-per-hour`); 0: not known
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

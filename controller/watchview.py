@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,12 +21,16 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import boxes, queues, render
 from controller.errors import ControllerError
+from controller.reach import connect
 from controller.state import Box, State
 
 if TYPE_CHECKING:
     from rich.table import Table
 
 POLL_DEADLINE_S = 5.0
+LAGS_KEPT = 10_000
+IDLE_AFTER_S = 600.0  # a box up with nothing to run for this long raises BOX_IDLE
+STALE_S = 5.0  # a box that sends no snapshot for this long (it sends one a second) is unreachable
 
 
 @dataclass
@@ -37,27 +42,36 @@ class Seen:
     queue: pb.Queue | None = None
     at: float = 0.0  # time.monotonic() of the latest answer; 0: none yet
     error: str = ""
+    # Seconds from each snapshot's sampling on the box to its receipt here (the latest ones).
+    lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAGS_KEPT))
 
 
 async def poll(state: State, seen: Seen, queue_name: str, interval_s: float) -> None:
-    """Keep `seen` up to date until cancelled: a status row and (with `queue_name`) the queue."""
+    """Keep `seen` up to date until cancelled, on one connection held open: the box's health stream
+    (a snapshot each sampling interval) and, with `queue_name`, the queue at most every
+    `interval_s`. A box that stops answering (no snapshot for STALE_S, a broken link) is shown
+    unreachable with its last answer's time, and asked again after a pause."""
+    pause = 1.0
     while True:
-        started = time.monotonic()
         try:
-            (s,) = await boxes.status(state, [seen.box.name], deadline_s=POLL_DEADLINE_S)
-            seen.row = s.row()
-            seen.box = s.box
-            if s.health is not None and queue_name:
-                qs = await asyncio.wait_for(
-                    queues.list_queues(s.box, queue_name, brief=True), POLL_DEADLINE_S
-                )
-                seen.queue = qs[0] if qs else None
-            seen.error = s.error
-            if not s.error:
-                seen.at = time.monotonic()
+            async with connect(seen.box) as c:
+                hello = await c.hello(timeout_s=POLL_DEADLINE_S)
+                asked = 0.0
+                async for snap in c.watch_health(idle_s=STALE_S):
+                    seen.lags.append(max(0.0, (time.time_ns() - snap.at_unix_ns) / 1e9))
+                    now = time.monotonic()
+                    if queue_name and now - asked >= interval_s:
+                        asked = now
+                        qs = await asyncio.wait_for(c.list_queues(queue_name, brief=True), POLL_DEADLINE_S)
+                        seen.queue = qs[0] if qs else None
+                    seen.box = state.find(seen.box.name) or seen.box
+                    seen.row = boxes.BoxStatus(seen.box, hello, snap).row()
+                    seen.at, seen.error, pause = time.monotonic(), "", 1.0
         except (ControllerError, TimeoutError) as e:
             seen.error = str(e) or "no answer"
-        await asyncio.sleep(max(0.0, interval_s - (time.monotonic() - started)))
+        seen.row = boxes.BoxStatus(seen.box, None, None, error=seen.error or "the stream ended").row()
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 10.0)
 
 
 def lacks(seen: Seen) -> list[str]:
@@ -94,6 +108,8 @@ def _age(ns: object) -> str:
 def row_cells(seen: Seen, now: float) -> list[str]:
     r = seen.row
     name = seen.box.name
+    if not r and not seen.error:
+        return [name, "connecting", "", "", "", "", ""]
     if not r or r.get("unreachable"):
         ago = f"{render.human_duration(now - seen.at)} ago" if seen.at else "never"
         return [name, f"UNREACHABLE (seen {ago})", "", "", "", "", ", ".join(lacks(seen))]
@@ -140,7 +156,14 @@ def table(seen: Sequence[Seen], *, expand: bool) -> Table:
     from rich.table import Table
 
     now = time.monotonic()
-    t = Table(box=None, show_edge=False, pad_edge=False, expand=False)
+    t = Table(
+        box=None,
+        show_edge=False,
+        pad_edge=False,
+        expand=False,
+        caption=time.strftime("%H:%M:%S"),  # the view is alive: it redraws each interval
+        caption_justify="right",
+    )
     for title in COLUMNS:
         t.add_column(title, overflow="fold", max_width=24 if title == "lacks" else None)
     for s in seen:
@@ -155,10 +178,42 @@ def table(seen: Sequence[Seen], *, expand: bool) -> Table:
     return t
 
 
-def new_alerts(seen: Sequence[Seen], shown: set[tuple[str, str, str, int]]) -> list[str]:
-    """Log lines for the alerts not printed yet (each once), and for boxes that stopped answering."""
+def idle_for(seen: Seen) -> float | None:
+    """Seconds the box has been up with no job running and no cell to run; None if it is busy."""
+    r = seen.row
+    ended = r.get("jobs_ended_unix_ns")
+    if not isinstance(ended, int) or r.get("unreachable"):
+        return None
+    cells = seen.queue.cells if seen.queue is not None else []
+    if any(c.state in (pb.CELL_PENDING, pb.CELL_RUNNING) for c in cells):
+        return None
+    return max(0.0, (time.time_ns() - ended) / 1e9)
+
+
+def idle_line(seen: Seen, idle_s: float) -> str:
+    r = seen.row
+    text = f"{seen.box.name}: BOX_IDLE: no job has run for {render.human_duration(idle_s)}"
+    price, since = r.get("price_per_hour"), r.get("up_since_unix_ns")
+    if isinstance(price, (int, float)) and price > 0 and isinstance(since, int):
+        hours = max(0.0, (time.time_ns() - since) / 3.6e12)
+        text += f"; up {render.human_duration(hours * 3600)} at {price:g}/h: {price * hours:.2f} so far"
+    name = seen.box.name
+    return text + f"; tear it down once it is safe: `boxwarden down {name} --confirm {name}`"
+
+
+def new_alerts(
+    seen: Sequence[Seen], shown: set[tuple[str, str, str, int]], idle_after_s: float = IDLE_AFTER_S
+) -> list[str]:
+    """Log lines for the alerts not printed yet (each once per episode), BOX_IDLE among them."""
     out = []
     for s in seen:
+        idle = idle_for(s)
+        ended = s.row.get("jobs_ended_unix_ns")
+        if idle is not None and idle >= idle_after_s and isinstance(ended, int):
+            key = (s.box.name, "BOX_IDLE", "", ended)
+            if key not in shown:
+                shown.add(key)
+                out.append(idle_line(s, idle))
         alerts = s.row.get("alerts")
         for a in alerts if isinstance(alerts, list) else []:
             if not isinstance(a, dict):
@@ -172,16 +227,16 @@ def new_alerts(seen: Sequence[Seen], shown: set[tuple[str, str, str, int]]) -> l
 
 async def run(
     state: State,
-    targets: Sequence[Box],
+    seen: Sequence[Seen],
     queue_name: str,
     *,
     interval_s: float,
     once: bool,
     show: Callable[[Table, list[str]], None],
+    idle_after_s: float = IDLE_AFTER_S,
 ) -> None:
     """Poll every box at once and call `show(table, new alert lines)` each interval (once with
     `once`, after every box answered or missed its deadline)."""
-    seen = [Seen(b) for b in targets]
     pollers = [asyncio.create_task(poll(state, s, queue_name, interval_s)) for s in seen]
     shown: set[tuple[str, str, str, int]] = set()
     try:
@@ -189,10 +244,10 @@ async def run(
             deadline = time.monotonic() + POLL_DEADLINE_S * 3
             while any(not s.row and not s.error for s in seen) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
-            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown))
+            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown, idle_after_s))
             return
         while True:
-            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown))
+            show(table(seen, expand=bool(queue_name)), new_alerts(seen, shown, idle_after_s))
             await asyncio.sleep(interval_s)
     finally:
         for p in pollers:

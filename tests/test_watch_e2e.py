@@ -115,3 +115,22 @@ def test_watch_shows_each_box_its_cells_an_alert_and_an_unreachable_box(bw: Bw, 
     finally:
         for cell in ("good", "bad"):
             (gates / cell).touch()
+
+
+def test_a_box_left_idle_raises_box_idle_once_with_its_cost(bw: Bw, tmp_path: Path) -> None:
+    bw.up("i1", "--price-per-hour", "2.5")
+    r = bw("run", "i1", "--json", "--", "true")
+    assert r.returncode == 0, r.stderr
+    wait_until(lambda: bw.json("status", "i1")["boxes"][0]["jobs_ended_unix_ns"], timeout=30)
+    argv = [sys.executable, "-m", "controller", "watch", "i1", "--interval", "0.3", "--idle-minutes", "0.01"]
+    with tmux(bw, tmp_path, argv) as sock:
+        line = wait_until(lambda: [x for x in screen(sock).splitlines() if "BOX_IDLE" in x], timeout=30)[0]
+        assert line.startswith("i1: BOX_IDLE: no job has run for") and "at 2.5/h" in line and "so far" in line
+
+        def clock() -> str:
+            return screen(sock).strip().splitlines()[-1].strip()
+
+        first = clock()
+        second = wait_until(lambda: (c := clock()) != first and c, timeout=10, what="a redraw")
+        wait_until(lambda: clock() not in (first, second), timeout=10, what="another redraw")
+        assert sum("BOX_IDLE" in x for x in screen(sock).splitlines()) == 1  # once per episode

@@ -134,6 +134,12 @@ from controller.state import exclusive
     help="Serve Prometheus metrics on the box's 127.0.0.1:PORT (0: none, the default); `boxwarden "
     "metrics NAME` forwards it here from a remote box.",
 )
+@click.option(
+    "--price-per-hour",
+    type=click.FloatRange(min=0),
+    metavar="PRICE",
+    help="What the box costs an hour: `watch` shows the cost of a box left idle.",
+)
 @roster_option
 @json_flag
 def command(
@@ -159,6 +165,7 @@ def command(
     loss_regex: str | None,
     memory_high_percent: int | None,
     metrics_port: int | None,
+    price_per_hour: float | None,
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
@@ -196,6 +203,7 @@ def command(
                     memory_high_percent=memory_high_percent,
                     metrics_port=metrics_port,
                 ),
+                price_per_hour=price_per_hour,
             )
         )
     if as_json:

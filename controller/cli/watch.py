@@ -26,7 +26,15 @@ if TYPE_CHECKING:
     help="Seconds between two refreshes.",
 )
 @click.option("--once", is_flag=True, help="Draw the picture once and exit (for scripts and logs).")
-def command(targets: tuple[str, ...], interval: float, once: bool) -> None:
+@click.option(
+    "--idle-minutes",
+    type=click.FloatRange(min=0),
+    default=10.0,
+    show_default=True,
+    help="BOX_IDLE for a box up this long with no job running and no cell to run (with its cost so "
+    "far where `up --price-per-hour` gave its price).",
+)
+def command(targets: tuple[str, ...], interval: float, once: bool, idle_minutes: float) -> None:
     """Watch every box that is up (or the boxes of PLAN, with their cells, or the named boxes)."""
     state = open_state()
     queue_name = ""
@@ -56,7 +64,17 @@ def command(targets: tuple[str, ...], interval: float, once: bool) -> None:
                 console.print(f"[bold red]{render.esc(line)}[/]")
             console.print(t)
 
-        asyncio.run(watchview.run(state, boxes, queue_name, interval_s=interval, once=True, show=show_once))
+        asyncio.run(
+            watchview.run(
+                state,
+                [watchview.Seen(b) for b in boxes],
+                queue_name,
+                interval_s=interval,
+                once=True,
+                show=show_once,
+                idle_after_s=idle_minutes * 60,
+            )
+        )
         return
     with Live(console=console, refresh_per_second=4, auto_refresh=False) as live:
 
@@ -65,4 +83,14 @@ def command(targets: tuple[str, ...], interval: float, once: bool) -> None:
                 live.console.print(f"[bold red]{render.esc(line)}[/]")
             live.update(t, refresh=True)
 
-        asyncio.run(watchview.run(state, boxes, queue_name, interval_s=interval, once=False, show=show))
+        asyncio.run(
+            watchview.run(
+                state,
+                [watchview.Seen(b) for b in boxes],
+                queue_name,
+                interval_s=interval,
+                once=False,
+                show=show,
+                idle_after_s=idle_minutes * 60,
+            )
+        )
