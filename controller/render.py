@@ -703,3 +703,151 @@ def profile_show(p: Profile) -> None:
     platform_notices(p)
     for g in p.gotchas:
         c.print(safe(f"  • {g}", multiline=True), markup=False)
+
+
+# -- fleet operations (`pull --all`, `down --all`) ----------------------------------------------------
+
+if TYPE_CHECKING:
+    from collections.abc import Collection
+
+    from controller.fleetops import DownOutcome, PullOutcome
+
+
+@contextmanager
+def fleet_progress(names: Sequence[str]) -> Iterator[FleetProgress]:
+    """`pull --all`: on a terminal, a bar per box and one for all of them (bytes, rate, time left);
+    everywhere, a line per finished file (named with its box) and one per box as it ends."""
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    c = _console()
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=c,
+        transient=True,
+        disable=not c.is_terminal,
+    )
+    with bar:
+        yield FleetProgress(c, bar, names)
+
+
+class FleetProgress:
+    """The bars of `pull --all`. The total counts the bytes of the boxes whose claims lists arrived."""
+
+    def __init__(self, console: Console, bar: Progress, names: Sequence[str]) -> None:
+        self.console, self.bar = console, bar
+        self.total = bar.add_task(f"all {len(names)} boxes", total=None)
+        self.tasks = {n: bar.add_task(f"{esc(n)}: reaching", total=None) for n in names}
+        self.sizes: dict[str, int] = {}
+
+    def box(self, name: str) -> BoxTransfer:
+        return BoxTransfer(self, name)
+
+    def started(self, name: str, files: int, total_bytes: int) -> None:
+        self.sizes[name] = total_bytes
+        self.bar.update(self.tasks[name], description=f"{esc(name)}: {files} files", total=total_bytes)
+        self.bar.update(self.total, total=sum(self.sizes.values()))
+
+    def advance(self, name: str, n: int) -> None:
+        self.bar.advance(self.tasks[name], n)
+        self.bar.advance(self.total, n)
+
+    def ended(self, outcome: PullOutcome) -> None:
+        name = outcome.box
+        what = "[red]failed[/]" if outcome.error else "[green]done[/]"
+        self.bar.update(self.tasks[name], description=f"{esc(name)}: {what}")
+        self.console.print(f"{esc(name)}: {what}")
+
+
+class BoxTransfer:
+    """One box's part of a FleetProgress (a controller.pull.Progress)."""
+
+    def __init__(self, fleet: FleetProgress, name: str) -> None:
+        self.fleet, self.name = fleet, name
+        self.done: set[str] = set()
+        self.got: dict[str, int] = {}
+
+    def start(self, files: int, total_bytes: int) -> None:
+        self.fleet.started(self.name, files, total_bytes)
+
+    def update(self, path: str, got: int, size: int) -> None:
+        self.fleet.advance(self.name, got - self.got.get(path, 0))
+        self.got[path] = got
+        if got >= size and path not in self.done:
+            self.done.add(path)
+            line = f"  {esc(self.name)} \\[{len(self.done)}] {esc(path)} ({human_bytes(size)})"
+            self.fleet.console.print(line)
+
+
+def fleet_pull_report(outcomes: Sequence[PullOutcome]) -> None:
+    failed = [o for o in outcomes if o.error]
+    if not outcomes:
+        info("no box is up: nothing to pull")
+        return
+    for o in outcomes:
+        if o.report is not None:
+            info(f"[bold]{esc(o.box)}[/]:")
+            pull_report(o.report)
+    for o in failed:
+        error(f"{o.box}: {o.error}")
+    style = "bold red" if failed else "bold green"
+    tail = f"; {len(failed)} failed: {', '.join(o.box for o in failed)}" if failed else ""
+    info(f"[{style}]pulled {len(outcomes) - len(failed)} of {len(outcomes)} boxes[/]{esc(tail)}")
+
+
+def fleet_verdicts(outcomes: Sequence[DownOutcome], *, dry_run: bool) -> None:
+    """`down --all`: each box's verdict in a line (the reasons of a refused one under it)."""
+    c = _console()
+    passing = [o for o in outcomes if o.outcome == "allowed"]
+    c.print(
+        f"down --all: {len(outcomes)} boxes up; {len(passing)} pass the gate"
+        + (" (dry run: nothing was done; `down NAME --dry-run` shows a box's evidence)" if dry_run else "")
+    )
+    for o in outcomes:
+        if o.outcome == "allowed":
+            c.print(f"  [bold green]ALLOWED[/] {esc(o.box)}")
+        elif o.outcome == "refused":
+            c.print(f"  [bold red]REFUSED[/] {esc(o.box)}: {esc(', '.join(o.codes))}")
+            reasons(o.reasons)
+        else:
+            c.print(f"  [bold red]ERROR[/] {esc(o.box)}: {esc(o.error, multiline=True)}")
+
+
+def fleet_confirm_prompt(names: Sequence[str]) -> str:
+    n = len(names)
+    boxes = "box" if n == 1 else "boxes"
+    return str(
+        _console().input(f"Tear down {n} {boxes}: [bold]{esc(', '.join(names))}[/]? Type {n} to confirm: ")
+    ).strip()
+
+
+def fleet_down_report(outcomes: Sequence[DownOutcome], *, shown: Collection[str] = ()) -> None:
+    """After `down --all`'s teardowns: each one's line, then the boxes left up and why (only their
+    codes for the boxes in `shown`, whose reasons were listed with the verdicts)."""
+    for o in outcomes:
+        if o.teardown is not None:
+            teardown(o.teardown)
+    rest = [o for o in outcomes if o.outcome != "torn-down"]
+    for o in rest:
+        if o.outcome == "refused":
+            _console().print(f"[bold red]not torn down[/] {esc(o.box)}: {esc(', '.join(o.codes))}")
+            if o.box not in shown:
+                if o.error:
+                    info(f"  {esc(o.error, multiline=True)}")
+                reasons(o.reasons)
+        else:
+            error(f"{o.box}: not torn down: {o.error}")
+    done = [o.box for o in outcomes if o.outcome == "torn-down"]
+    style = "bold red" if rest else "bold green"
+    tail = f": {', '.join(done)}" if done else ""
+    info(f"[{style}]torn down {len(done)} of {len(outcomes)} boxes[/]{esc(tail)}")

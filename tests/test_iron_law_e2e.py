@@ -355,7 +355,7 @@ def test_a_job_that_hands_its_work_to_a_running_tmux_server_keeps_down_refused(b
         doc = wait_until(stray, what="the tmux session's process to be named")
         assert not doc["allowed"]
         status = bw.json("status", NAME)
-        assert "0 running" in json.dumps(status)  # the job itself is over ...
+        assert status["boxes"][0]["jobs_running"] == 0  # the job itself is over ...
         r = bw("down", NAME, "--confirm", NAME)
         assert r.returncode == 3, r.stdout  # ... but its work is not
         assert (p["watch"] / "early.bin").exists()

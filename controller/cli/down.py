@@ -1,28 +1,48 @@
 """`boxwarden down NAME [--dry-run] [--json] [--confirm NAME] [--resend-stop] [--accept-server-checksum]
 [--box-gone [--durable-credentials FILE]]`: the gate, then the teardown and the meter stop; or the
 continuation of a teardown that did not finish (`teardown.unfinished` decides which); or, for a box
-the user says is gone, the gate on its last claims list and durable copies (`controller.gone`)."""
+the user says is gone, the gate on its last claims list and durable copies (`controller.gone`).
+
+`boxwarden down --all [--dry-run] [--confirm-count N] [--accept-server-checksum] [--json]`: the gate on
+every box that is up, then, after one confirmation of how many, the teardown of those that pass, each
+as `down NAME --confirm NAME` does it (`controller.fleetops`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
-from controller import boxes, gone, pathtext, render, teardown
+from controller import boxes, fleetops, gone, pathtext, render, teardown
 from controller.cli.options import durable_credentials_option, json_flag, open_state
-from controller.errors import GateRefused, UsageError
+from controller.errors import EXIT_ERROR, GateRefused, Reason, UsageError
 from controller.gate import Verdict
 from controller.state import Box, State, exclusive
 
 
 @click.command("down")
-@click.argument("name")
+@click.argument("name", required=False)
+@click.option(
+    "--all",
+    "every",
+    is_flag=True,
+    help="Every box that is up: each judged by the gate, those that pass torn down after one "
+    "confirmation of how many; the others are listed with their reasons.",
+)
 @click.option("--dry-run", is_flag=True, help="Show the evidence and the verdict; change nothing.")
 @click.option("--confirm", metavar="NAME", help="Confirm by naming the box (otherwise you are asked).")
+@click.option(
+    "--confirm-count",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="With --all: confirm by the number of boxes that pass the gate (otherwise you are asked); "
+    "refused, nothing torn down, if another number pass.",
+)
 @click.option(
     "--pulled",
     type=click.Path(file_okay=False, path_type=Path),
@@ -54,9 +74,11 @@ from controller.state import Box, State, exclusive
 @durable_credentials_option
 @json_flag
 def command(
-    name: str,
+    name: str | None,
+    every: bool,
     dry_run: bool,
     confirm: str | None,
+    confirm_count: int | None,
     pulled: Path | None,
     meter_stopped: bool,
     resend_stop: bool,
@@ -65,7 +87,30 @@ def command(
     durable_credentials: Path | None,
     as_json: bool,
 ) -> None:
-    """Tear box NAME down, only if every artifact is durable, pulled and verified, and you named the box."""
+    """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
+    pulled and verified, and you named the box (or how many)."""
+    if every:
+        given = {
+            "NAME": name is not None,
+            "--confirm": confirm is not None,
+            "--pulled": pulled is not None,
+            "--meter-stopped": meter_stopped,
+            "--resend-stop": resend_stop,
+            "--box-gone": box_gone,
+            "--durable-credentials": durable_credentials is not None,
+        }
+        for what, present in given.items():
+            if present:
+                one = f"`down {name}`" if name is not None else "`down NAME`"
+                raise UsageError(f"give a box NAME or --all, not both: {what} goes with one box ({one})")
+        if confirm_count is not None and dry_run:
+            raise UsageError("--confirm-count confirms a teardown: it cannot go with --dry-run")
+        _down_all(dry_run, confirm_count, accept_server_checksum, as_json)
+        return
+    if name is None:
+        raise UsageError("name the box to tear down (or --all for every box that is up)")
+    if confirm_count is not None:
+        raise UsageError("--confirm-count goes with --all; one box is confirmed by its name: --confirm NAME")
     if pulled is not None:
         pathtext.check_path_text(pulled, "--pulled")
     if durable_credentials is not None and not box_gone:
@@ -203,3 +248,95 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
         render.json_out({**doc, "teardown": result.to_json()})
     else:
         render.teardown(result)
+
+
+def _down_all(dry_run: bool, confirm_count: int | None, accept_server_checksum: bool, as_json: bool) -> None:
+    state = open_state()
+    interactive = sys.stdin.isatty() and not as_json
+    fleet = fleetops.up_boxes(state)
+    busy: list[fleetops.DownOutcome] = []
+    with contextlib.ExitStack() as stack:
+        if dry_run:  # as `down NAME --dry-run`: no lock
+            held = fleet
+        else:  # held from the verdicts to the last teardown, the confirmation included (as `down NAME`)
+            held, busy = stack.enter_context(fleetops.locked(state, fleet))
+        judged = asyncio.run(fleetops.judge_all(state, held, accept_server_checksum=accept_server_checksum))
+        outcomes = sorted([*judged, *busy], key=lambda o: o.box)
+        passing = [o.box for o in outcomes if o.outcome == fleetops.ALLOWED]
+        if not as_json and outcomes:
+            render.fleet_verdicts(outcomes, dry_run=dry_run)
+        problem = "" if dry_run or not passing else _confirmed(passing, confirm_count, interactive)
+        if dry_run or not passing or problem:
+            _done_all(outcomes, dry_run=dry_run, problem=problem, as_json=as_json)
+            return
+        done = asyncio.run(
+            fleetops.tear_down(
+                state,
+                [b for b in held if b.name in passing],
+                _manual_done_for(interactive),
+                accept_server_checksum=accept_server_checksum,
+            )
+        )
+    shown = {o.box for o in outcomes if o.outcome != fleetops.ALLOWED}
+    outcomes = sorted([*(o for o in outcomes if o.box not in passing), *done], key=lambda o: o.box)
+    if not as_json:
+        render.fleet_down_report(outcomes, shown=shown)
+    _done_all(outcomes, dry_run=False, problem="", as_json=as_json)
+
+
+def _confirmed(passing: list[str], confirm_count: int | None, interactive: bool) -> str:
+    """Empty when the user confirmed tearing down exactly the boxes that pass; else what was wrong."""
+    n = len(passing)
+    if confirm_count is None and interactive:
+        answer = render.fleet_confirm_prompt(passing)
+        return "" if answer == str(n) else f"{answer!r} is not {n}: nothing was torn down"
+    if confirm_count is None:
+        return (
+            f"confirm by the number of boxes that pass the gate: --confirm-count {n} ({', '.join(passing)})"
+        )
+    if confirm_count != n:
+        return (
+            f"--confirm-count {confirm_count}, but {n} boxes pass the gate ({', '.join(passing)}): nothing "
+            "was torn down"
+        )
+    return ""
+
+
+def _done_all(outcomes: list[fleetops.DownOutcome], *, dry_run: bool, problem: str, as_json: bool) -> None:
+    """The document (with --json), then the exit: 1 if a box failed, 3 if one was refused or the
+    teardown was not confirmed, else 0."""
+    reasons = [Reason("NOT_CONFIRMED", detail=problem)] if problem else []
+    if as_json:
+        render.json_out(
+            {
+                "dry_run": dry_run,
+                "passing": sum(o.outcome == fleetops.ALLOWED for o in outcomes),
+                "confirmed": not dry_run and not problem,
+                "reasons": [r.to_json() for r in reasons],
+                "boxes": [o.to_json() for o in outcomes],
+            }
+        )
+    elif problem:
+        render.error(problem)
+    elif not outcomes:
+        render.info("no box is up: nothing to tear down")
+    if any(o.outcome == fleetops.FAILED for o in outcomes):
+        raise click.exceptions.Exit(EXIT_ERROR)
+    if problem or any(o.outcome == fleetops.REFUSED for o in outcomes):
+        raise click.exceptions.Exit(GateRefused.exit_code)
+
+
+def _manual_done_for(interactive: bool) -> Callable[[str], Callable[[str], Awaitable[bool]]]:
+    """What a box's teardown asks when its meter is stopped by hand, as `down NAME` asks it: the
+    steps shown and "done" asked one box at a time (the teardowns run at once), off the loop."""
+    asking = asyncio.Lock()
+
+    def for_box(name: str) -> Callable[[str], Awaitable[bool]]:
+        async def manual_done(steps: str) -> bool:
+            async with asking:
+                render.manual_steps(name, steps)
+                return interactive and await asyncio.to_thread(render.ask_done)
+
+        return manual_done
+
+    return for_box
