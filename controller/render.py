@@ -336,9 +336,8 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
         info(f"{listing.excluded_files} files excluded by the patterns given at up: {shown}{more}")
 
 
-@contextmanager
-def transfer_progress() -> Iterator[TransferProgress]:
-    """A bar for the whole pull (bytes, rate, time left), and one line per finished file."""
+def _transfer_bars() -> tuple[Console, Progress]:
+    """The console and its transfer bars (bytes, rate, time left), drawn on a terminal only."""
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -359,6 +358,13 @@ def transfer_progress() -> Iterator[TransferProgress]:
         transient=True,
         disable=not c.is_terminal,
     )
+    return c, bar
+
+
+@contextmanager
+def transfer_progress() -> Iterator[TransferProgress]:
+    """A bar for the whole pull (bytes, rate, time left), and one line per finished file."""
+    c, bar = _transfer_bars()
     with bar:
         yield TransferProgress(c, bar)
 
@@ -717,26 +723,7 @@ if TYPE_CHECKING:
 def fleet_progress(names: Sequence[str]) -> Iterator[FleetProgress]:
     """`pull --all`: on a terminal, a bar per box and one for all of them (bytes, rate, time left);
     everywhere, a line per finished file (named with its box) and one per box as it ends."""
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    c = _console()
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=c,
-        transient=True,
-        disable=not c.is_terminal,
-    )
+    c, bar = _transfer_bars()
     with bar:
         yield FleetProgress(c, bar, names)
 

@@ -99,6 +99,9 @@ class Box:
     memory_high_percent: int = 0  # MEMORY_HIGH over this share of the box's memory limit
     metrics_port: int = 0  # the Prometheus endpoint on the box's 127.0.0.1 (0: none)
     price_per_hour: float = 0.0  # what the box costs an hour (`up --price-per-hour`); 0: not known
+    # A `down --when-safe` follows the box (its pid, since when): it tears it down once safe.
+    armed_pid: int = 0
+    armed_at_ns: int = 0
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

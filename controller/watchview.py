@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import boxes, queues, render
+from controller import boxes, queues, render, whensafe
 from controller.errors import ControllerError
 from controller.reach import connect
 from controller.state import Box, State
@@ -92,7 +92,9 @@ def lacks(seen: Seen) -> list[str]:
     not_durable = _int(r.get("claims")) - _int(r.get("durable"))
     if not_durable:
         out.append(f"{not_durable} not durable")
-    return out or ["pull+verify"]
+    out = out or ["pull+verify"]
+    armed = whensafe.armed_note(seen.box)
+    return [f"{armed}: {out[0]}", *out[1:]] if armed else out
 
 
 def _int(v: object) -> int:

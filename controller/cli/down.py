@@ -71,6 +71,25 @@ from controller.state import Box, State, exclusive
     help="The box is gone (preempted, destroyed) and its sidecar does not answer: judge the last claims "
     "list received from it and a `pull --from durable` of it instead of the box's live state.",
 )
+@click.option(
+    "--when-safe",
+    is_flag=True,
+    help="With --confirm NAME: follow the box, pull and verify as its claims arrive, and tear it down "
+    "through the usual gate the moment it passes (never before; Ctrl-C ends the following).",
+)
+@click.option(
+    "--pull-to",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="With --when-safe: where its claims are pulled (default: where `pull` put them, else "
+    "./pulled-NAME).",
+)
+@click.option(
+    "--poll",
+    type=click.FloatRange(min=0.2, max=3600),
+    default=5.0,
+    show_default=True,
+    help="With --when-safe: seconds between two looks at the box.",
+)
 @durable_credentials_option
 @json_flag
 def command(
@@ -85,10 +104,18 @@ def command(
     accept_server_checksum: bool,
     box_gone: bool,
     durable_credentials: Path | None,
+    when_safe: bool,
+    pull_to: Path | None,
+    poll: float,
     as_json: bool,
 ) -> None:
     """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
     pulled and verified, and you named the box (or how many)."""
+    if when_safe:
+        _when_safe(name, confirm, pull_to, poll, as_json, every or dry_run or resend_stop or box_gone)
+        return
+    if pull_to is not None:
+        raise UsageError("--pull-to goes with --when-safe (a plain `down` judges --pulled DIR)")
     if every:
         given = {
             "NAME": name is not None,
@@ -140,6 +167,40 @@ def command(
     busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
     with exclusive(state.box_lock(name), busy):
         _down(state, state.get(name), opts, as_json)
+
+
+def _when_safe(
+    name: str | None, confirm: str | None, pull_to: Path | None, poll: float, as_json: bool, other: bool
+) -> None:
+    from controller import whensafe
+
+    if name is None or other:
+        raise UsageError("--when-safe arms one box: down NAME --confirm NAME --when-safe (no --all, "
+                         "--dry-run, --resend-stop or --box-gone)")  # fmt: skip
+    if confirm != name:
+        raise UsageError(f"name the box to arm its teardown: --confirm {name} (nothing is asked later)")
+    state = open_state()
+    box = state.get(name)
+    dest = (pull_to or (Path(box.pulled_dir) if box.pulled_dir else Path(f"pulled-{name}"))).resolve()
+    pathtext.check_path_text(dest, "--pull-to")
+
+    async def manual_done(steps: str) -> bool:
+        render.manual_steps(name, steps)
+        return False  # a manual meter stop needs a person: `down NAME --meter-stopped` then
+
+    def report(line: str) -> None:
+        render.info(f"{render.esc(name)}: {render.esc(line)}")
+
+    busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
+    with exclusive(state.box_lock(name), busy):
+        render.info(f"{render.esc(name)}: armed; torn down once the gate passes (Ctrl-C to stop following)")
+        result = asyncio.run(
+            whensafe.follow(state, name, dest, poll_s=poll, report=report, manual_done=manual_done)
+        )
+    if as_json:
+        render.json_out({"teardown": result.to_json()})
+    else:
+        render.teardown(result)
 
 
 @dataclass(frozen=True)
