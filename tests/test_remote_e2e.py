@@ -501,7 +501,7 @@ def test_one_status_shows_two_remote_boxes_and_a_local_one(remote: Remote) -> No
     remote.bw.up("here")
     rows = {r["box"]: r for r in remote.bw.json("status")["boxes"]}
     assert set(rows) == {"m1", "m2", "here"}
-    assert rows["m1"]["host"] == "m1" and rows["m2"]["host"] == "m2" and "host" not in rows["here"]
+    assert rows["m1"]["host"] == "m1" and rows["m2"]["host"] == "m2" and rows["here"]["host"] is None
     for row in rows.values():
         assert row["sidecar"]["version"] == "0.1.0", row
 
