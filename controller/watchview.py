@@ -174,10 +174,32 @@ def table(seen: Sequence[Seen], *, expand: bool) -> Table:
         t.add_row(*(render.esc(c) for c in row_cells(s, now)), style=style)
         if expand and s.queue is not None:
             for c in s.queue.cells:
-                state = queues.cell_state(c)
-                detail = f" {c.detail}" if c.detail and state in ("failed", "cancelled") else ""
-                t.add_row(render.esc(f"  {c.spec.cell}"), render.esc(f"{state}{detail}"), "", "", "", "", "")
+                t.add_row(render.esc(f"  {c.spec.cell}"), render.esc(cell_text(s, c)), "", "", "", "", "")
     return t
+
+
+def cell_text(seen: Seen, c: pb.QueuedCell) -> str:
+    """A cell's state ("stalled" for a running one whose job raised JOB_STALLED), with its job's
+    step and loss while it runs, or why it failed."""
+    state = queues.cell_state(c)
+    if state == "running":
+        alerts = seen.row.get("alerts")
+        stalled = any(
+            isinstance(a, dict) and a.get("kind") == "JOB_STALLED" and a.get("subject") == c.job_id
+            for a in (alerts if isinstance(alerts, list) else [])
+        )
+        progress = seen.row.get("progress")
+        mine = [p for p in (progress if isinstance(progress, list) else []) if isinstance(p, dict)]
+        p = next((x for x in mine if x.get("job_id") == c.job_id), None)
+        text = "stalled" if stalled else "running"
+        if p is not None and p.get("step") is not None:
+            loss = p.get("loss")
+            text += f" {p['step']}" + (
+                f" {loss:.3g}" if isinstance(loss, float) else " nan" if p.get("nonfinite") else ""
+            )
+        return text
+    detail = f" {c.detail}" if c.detail and state in ("failed", "cancelled") else ""
+    return f"{state}{detail}"
 
 
 def idle_for(seen: Seen) -> float | None:

@@ -90,8 +90,10 @@ def test_watch_shows_each_box_its_cells_an_alert_and_an_unreachable_box(bw: Bw, 
 
             row = wait_until(lambda: "7 0.25" in (r := w1_row()) and r, timeout=60, what="w1's step and loss")
             assert "1 job" in row and "0/1" in row
-            seen = screen(sock)
-            assert "good" in seen and "bad" in seen and "running" in seen
+            seen = wait_until(lambda: "running 7 0.25" in (x := screen(sock)) and x, timeout=30)
+            good = next(x for x in seen.splitlines() if x.split()[:1] == ["good"])
+            assert "running 7 0.25" in good  # the cell's own job: its step and loss
+            assert "bad" in seen
             assert all(len(line) <= 80 for line in seen.splitlines())
             # The NaN: an alert, printed once as a log line above the view.
             alert = wait_until(
