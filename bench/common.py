@@ -332,3 +332,17 @@ def stop_pid(pid: int | None) -> None:
 def budget(label: str, seconds: float) -> Side:
     """A "baseline" side that is a budget: the figure's ratio is then the share of it used."""
     return Side(label, [Timing(seconds)])
+
+
+def start_sidecar(config: Path, log: Path) -> subprocess.Popen[bytes]:
+    """A real sidecar (`python -m sidecar --config`) of this tree, in a session of its own, its
+    output in `log`; the caller ends it by its pid."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "--config", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": CODE_PATH},
+            start_new_session=True,
+        )

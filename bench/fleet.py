@@ -26,7 +26,7 @@ from pathlib import Path
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 
-from bench.common import CODE_PATH, Context, FigureResult, Side, Timing, budget, clock, proc_cpu_s
+from bench.common import Context, FigureResult, Side, Timing, budget, clock, proc_cpu_s, start_sidecar
 
 KEY = "fleet"
 CPU_BUDGET = 0.20  # of one core
@@ -51,17 +51,7 @@ def _start(base: Path, sock_dir: Path, i: int) -> tuple[subprocess.Popen[bytes],
     )
     config = d / "sidecar.json"
     config.write_text(json_format.MessageToJson(msg))
-    log = open(d / "sidecar.log", "wb")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "--config", str(config)],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONPATH": CODE_PATH},
-        start_new_session=True,
-    )
-    log.close()
-    return proc, msg
+    return start_sidecar(config, d / "sidecar.log"), msg
 
 
 def run(ctx: Context) -> list[FigureResult]:

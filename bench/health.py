@@ -28,7 +28,6 @@ from boxwarden_pb.v1 import sidecar_pb2_grpc
 from google.protobuf import json_format
 
 from bench.common import (
-    CODE_PATH,
     Context,
     FigureResult,
     Side,
@@ -37,6 +36,7 @@ from bench.common import (
     clock,
     proc_cpu_s,
     proc_rss_bytes,
+    start_sidecar,
 )
 
 logger = logging.getLogger(__name__)
@@ -94,17 +94,7 @@ def run(ctx: Context) -> list[FigureResult]:
         rescan_ms=int(os.environ.get("BOXWARDEN_BENCH_HEALTH_RESCAN_MS", "0")),  # 0: the default
     )
     config.write_text(json_format.MessageToJson(msg))
-    env = {**os.environ, "PYTHONPATH": CODE_PATH}
-    log = open(base / "sidecar.log", "wb")  # noqa: SIM115 - handed to the child
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "--config", str(config)],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    log.close()
+    proc = start_sidecar(config, base / "sidecar.log")
     channel = grpc.insecure_channel(f"unix:{msg.socket_path}")
     stub = sidecar_pb2_grpc.SidecarStub(channel)
     try:

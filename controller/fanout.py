@@ -21,7 +21,7 @@ from typing import Any
 
 from controller import boxes, queues
 from controller.cellsfile import CellsFile
-from controller.errors import ControllerError, SidecarRefused, UsageError
+from controller.errors import ControllerError, UsageError
 from controller.plan import Plan, PlanBox, plan_json
 from controller.state import State, exclusive
 
@@ -170,8 +170,6 @@ async def _one(state: State, plan: Plan, plan_dir: Path, b: PlanBox, cells: list
             policy,
         )
         out.queue = "queued" if resp.started else "unchanged"
-    except SidecarRefused as e:
-        out.error = f"queue: {e}"
-    except ControllerError as e:
+    except ControllerError as e:  # a refusal too (SidecarRefused): say it, the other boxes go on
         out.error = f"queue: {e}"
     return out

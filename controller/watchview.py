@@ -60,11 +60,14 @@ async def poll(state: State, seen: Seen, queue_name: str, interval_s: float) -> 
                 async for snap in c.watch_health(idle_s=STALE_S):
                     seen.lags.append(max(0.0, (time.time_ns() - snap.at_unix_ns) / 1e9))
                     now = time.monotonic()
-                    if queue_name and now - asked >= interval_s:
+                    if now - asked >= interval_s:  # what changes slowly: once an interval
                         asked = now
-                        qs = await asyncio.wait_for(c.list_queues(queue_name, brief=True), POLL_DEADLINE_S)
-                        seen.queue = qs[0] if qs else None
-                    seen.box = state.find(seen.box.name) or seen.box
+                        seen.box = state.find(seen.box.name) or seen.box  # armed by a `down --when-safe`?
+                        if queue_name:
+                            qs = await asyncio.wait_for(
+                                c.list_queues(queue_name, brief=True), POLL_DEADLINE_S
+                            )
+                            seen.queue = qs[0] if qs else None
                     seen.row = boxes.BoxStatus(seen.box, hello, snap).row()
                     seen.at, seen.error, pause = time.monotonic(), "", 1.0
         except (ControllerError, TimeoutError) as e:

@@ -78,7 +78,7 @@ class JobRecord:
     def recorded_exit(self) -> int | None:
         """The leader's exit status as its keeper recorded it; None before it exited (or if the
         keeper could not record it, or the job has no keeper)."""
-        lines = self._exit_lines()
+        lines = exit_lines(self.exit_path) if self.keeper else []
         try:
             return int(lines[0]) if lines else None
         except ValueError:
@@ -86,21 +86,22 @@ class JobRecord:
 
     def keeper_ended(self) -> bool:
         """The keeper recorded that the job's last process ended (it was not killed before)."""
-        return self._exit_lines()[1:2] == ["end"]
+        return bool(self.keeper) and exit_lines(self.exit_path)[1:2] == ["end"]
 
-    def _exit_lines(self) -> list[str]:
-        if not self.keeper:
-            return []
-        try:  # the job could put a FIFO there: never block on it
-            fd = open_regular(self.exit_path)
-        except OSError:
-            return []
-        try:
-            return os.read(fd, 4096).decode(errors="replace").split()
-        except OSError:
-            return []
-        finally:
-            os.close(fd)
+
+def exit_lines(path: Path) -> list[str]:
+    """What a keeper wrote in a job's exit file: its leader's status, then "end" once the job's last
+    process ended; [] if there is no such file."""
+    try:  # the job could put a FIFO there: never block on it
+        fd = open_regular(path)
+    except OSError:
+        return []
+    try:
+        return os.read(fd, 4096).decode(errors="replace").split()
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
 
 
 class JobStore(Protocol):

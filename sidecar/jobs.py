@@ -44,7 +44,14 @@ from typing import Any
 from sidecar import children, mounts, proctree, spawn, strays
 from sidecar.compat import SLOTS
 from sidecar.errors import NotFoundError, PreconditionError
-from sidecar.jobrecord import JobRecord, JobStore, check_name, read_start_ticks, resolve_program
+from sidecar.jobrecord import (
+    JobRecord,
+    JobStore,
+    check_name,
+    exit_lines,
+    read_start_ticks,
+    resolve_program,
+)
 from sidecar.strays import Stray
 
 __all__ = ["JOB_EXITED", "JOB_STARTED", "JobRecord", "JobStore", "JobSupervisor", "read_start_ticks"]
@@ -184,12 +191,13 @@ class JobSupervisor:
     def unrecorded_exit(self, job_id: str) -> int | None:
         """The exit status the keeper of a job with no record wrote (it ran and ended while no
         sidecar recorded it), if it wrote one."""
-        probe = JobRecord(
-            id=job_id, cell="", argv=[], cwd="/", env={}, pid=0, pgid=0, state="exited", exit_code=None,
-            started_at_ns=0, ended_at_ns=None, log_path=str(self._log_dir / f"{job_id}.log"),
-            proc_start_ticks=0, keeper=[0, 0],
-        )  # fmt: skip
-        return probe.recorded_exit() if probe.keeper_ended() else None
+        lines = exit_lines(self._log_dir / f"{job_id}.exit")
+        if lines[1:2] != ["end"]:
+            return None
+        try:
+            return int(lines[0])
+        except ValueError:
+            return None
 
     def running(self) -> list[JobRecord]:
         """Jobs with a live process, scanned now (the gate and release ask this)."""

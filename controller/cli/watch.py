@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,39 +58,26 @@ def command(targets: tuple[str, ...], interval: float, once: bool, idle_minutes:
 
     console = Console(stderr=True, highlight=False)
 
-    if once:
+    live = None if once else Live(console=console, refresh_per_second=4, auto_refresh=False)
 
-        def show_once(t: Table, alerts: list[str]) -> None:
-            for line in alerts:
-                console.print(f"[bold red]{render.esc(line)}[/]")
+    def show(t: Table, alerts: list[str]) -> None:
+        out = console if live is None else live.console
+        for line in alerts:
+            out.print(f"[bold red]{render.esc(line)}[/]")
+        if live is None:
             console.print(t)
-
-        asyncio.run(
-            watchview.run(
-                state,
-                [watchview.Seen(b) for b in boxes],
-                queue_name,
-                interval_s=interval,
-                once=True,
-                show=show_once,
-                idle_after_s=idle_minutes * 60,
-            )
-        )
-        return
-    with Live(console=console, refresh_per_second=4, auto_refresh=False) as live:
-
-        def show(t: Table, alerts: list[str]) -> None:
-            for line in alerts:
-                live.console.print(f"[bold red]{render.esc(line)}[/]")
+        else:
             live.update(t, refresh=True)
 
+    seen = [watchview.Seen(b) for b in boxes]
+    with live if live is not None else contextlib.nullcontext():
         asyncio.run(
             watchview.run(
                 state,
-                [watchview.Seen(b) for b in boxes],
+                seen,
                 queue_name,
                 interval_s=interval,
-                once=False,
+                once=once,
                 show=show,
                 idle_after_s=idle_minutes * 60,
             )
