@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -28,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # `kill -USR1 <pid>` writes every thread's stack to the log: what a sidecar that does not stop
+    # or answer is waiting for (the tests ask for it before they give up on one).
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     environ = compat.grpc_fork_handlers_off()
     from sidecar import app  # grpc loads here, after the line above
 

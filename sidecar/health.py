@@ -119,6 +119,7 @@ class JobLogs:
         self._wanted: tuple[tuple[str, str], ...] = ()
         self._followed: dict[str, tuple[LogFollower, ProgressTracker]] = {}
         self._last: dict[str, Progress] = {}
+        self._unreadable: dict[str, int | None] = {}  # job id -> errno of its log's last failure, logged once
 
     def follow(self, logs: tuple[tuple[str, str], ...]) -> None:
         """(job id, log path) of the jobs to follow now; the others are let go at the next poll."""
@@ -128,16 +129,21 @@ class JobLogs:
         wanted = dict(self._wanted)
         for job_id in [j for j in self._followed if j not in wanted]:
             self._followed.pop(job_id)[0].close()
+            self._unreadable.pop(job_id, None)
         for job_id, log in wanted.items():
             if job_id not in self._followed:
                 follower = LogFollower(Path(log), start_tail=LOG_TAIL)
                 self._followed[job_id] = (follower, ProgressTracker(*self._patterns))
             follower, tracker = self._followed[job_id]
-            while True:
-                data = follower.read_new()
-                if not data:
-                    break
-                tracker.feed(data)
+            try:
+                while data := follower.read_new():
+                    tracker.feed(data)
+            except OSError as e:  # replaced by a FIFO or a symlink, unreadable: the others go on
+                if self._unreadable.get(job_id) != e.errno:
+                    logger.warning("cannot follow the log of job %s: %s", job_id, e)
+                self._unreadable[job_id] = e.errno
+            else:
+                self._unreadable.pop(job_id, None)
             self._last[job_id] = tracker.snapshot()
         return dict(self._last)
 

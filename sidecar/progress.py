@@ -21,6 +21,7 @@ from pathlib import Path
 from types import TracebackType
 
 from sidecar.compat import SLOTS
+from sidecar.paths import open_regular
 
 # A step: `step 100`, `step=100`, `Step: 100`, `[step 100]`, `Step [5/100]`, `iter 100 |`,
 # `global_step=100`, `iteration 100/500`; or the N of a tqdm bar's `| N/M [` (HF Trainer,
@@ -246,7 +247,9 @@ class LogFollower:
 
     def read_new(self) -> bytes:
         """At most max_read bytes appended since the last call (the rest next time); b"" while the
-        file does not exist. Never raises for a missing file; other OSErrors (EACCES) propagate."""
+        file does not exist. Never raises for a missing file and never blocks on what took its
+        name: a FIFO, a device or a symlink is an OSError (EINVAL, ELOOP), as are EACCES and the
+        like; the file read so far is let go, and a later call tries the name again."""
         fd = self._fd
         if fd is not None:
             try:
@@ -280,8 +283,8 @@ class LogFollower:
         self.close()
 
     def _open(self) -> int | None:
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
+        try:  # a plain open() of a FIFO put there waits for a writer forever
+            fd = open_regular(self.path, follow=False)
         except FileNotFoundError:
             return None
         st = os.fstat(fd)

@@ -82,8 +82,26 @@ class Daemon:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.proc.pid, sig)
-            self.proc.wait(timeout=30)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._give_up(sig)
             self.proc = None
+
+    def _give_up(self, sig: int) -> None:
+        """The sidecar did not end: its threads' stacks into its log (SIGUSR1), then SIGKILL and a
+        failure that shows them (and no live Popen left to warn in a later test)."""
+        assert self.proc is not None
+        log = self.root / "sidecar.log"
+        size = log.stat().st_size
+        os.kill(self.proc.pid, signal.SIGUSR1)
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: log.stat().st_size > size, timeout=5, what="the stacks")
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        self.proc = None
+        tail = log.read_text()[-12000:]
+        raise AssertionError(f"the sidecar did not exit within 30 s of signal {sig}; its log (tail):\n{tail}")
 
     @property
     def store(self) -> Path:

@@ -10,6 +10,7 @@ import sqlite3
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import blake3
@@ -182,6 +183,41 @@ def test_a_fifo_swapped_in_for_a_jobs_log_does_not_freeze_the_daemon(tmp_path: P
                 os.close(os.open(log, os.O_WRONLY | os.O_NONBLOCK))
 
 
+def test_a_fifo_swapped_in_for_a_running_jobs_log_leaves_the_progress_probe_answering(tmp_path: Path) -> None:
+    """Found by CI with F7: the progress probe's follower opened a job's log with a plain open(), so
+    a FIFO put in its place while the job ran blocked the probe's thread for good (progress stale
+    from then on, for every job) and once kept the sidecar from exiting on SIGTERM."""
+    with running(tmp_path) as d:
+        job = d.stub.StartJob(
+            pb.StartJobRequest(argv=["sh", "-c", "echo step=7 loss=0.5; exec sleep 60"]), timeout=30
+        ).job
+
+        def progress_seen() -> bool:
+            snap = next(iter(d.stub.WatchHealth(pb.WatchHealthRequest(once=True), timeout=5)))
+            return any(j.id == job.id and j.progress.step == 7 for j in snap.jobs)
+
+        wait_until(progress_seen, what="the job's progress in the health snapshot")
+        log = Path(job.log_path)
+        log.unlink()
+        os.mkfifo(log)
+        swapped = time.time_ns()
+        seen: list[pb.HealthSnapshot] = []
+        stream = d.stub.WatchHealth(pb.WatchHealthRequest(), timeout=60)
+        for snap in stream:
+            seen.append(snap)
+            if snap.at_unix_ns > swapped + 4 * 10**9:  # past two probe timeouts (2 s) after the swap
+                break
+        stream.cancel()
+        late = [s for s in seen if s.at_unix_ns > swapped]
+        assert late, "no snapshot after the swap"
+        for snap in late:
+            (progress,) = [p for p in snap.probes if p.name == "progress"]
+            assert not progress.stale, progress.error
+            (j,) = [j for j in snap.jobs if j.id == job.id]
+            assert j.progress.step == 7  # the last progress read stays
+        d.stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=1), timeout=30)
+
+
 def test_a_fifo_at_a_release_aside_name_does_not_hang_the_start(tmp_path: Path, sock_dir: Path) -> None:
     """Found with F7: at start the sidecar hashes every `.bw-release.<claim id>` file to put back what
     an interrupted release renamed aside; it opened them with a blocking open(), so a FIFO of that
@@ -248,3 +284,15 @@ def test_a_fifo_in_place_of_a_file_never_blocks_a_read(tmp_path: Path) -> None:
         + str(fifo)
         + "'\"}"
     )
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_sidecar_goes_on(tmp_path: Path) -> None:
+    """What a sidecar that will not stop or answer waits for, without a debugger on the box."""
+    with running(tmp_path) as d:
+        assert d.proc is not None
+        log = d.root / "sidecar.log"
+        os.kill(d.proc.pid, signal.SIGUSR1)
+        wait_until(lambda: "_run_module_as_main" in log.read_text(), what="the stacks in the sidecar's log")
+        text = log.read_text()
+        assert "Thread 0x" in text and "sidecar/__main__.py" in text  # every thread, the main one too
+        d.stub.Hello(pb.HelloRequest(), timeout=5)

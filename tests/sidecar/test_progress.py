@@ -4,8 +4,11 @@ follower on real files in tmp_path."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -368,3 +371,58 @@ def test_job_logs_seen_for_the_first_time_do_not_report_an_old_nonfinite_loss(tm
     with open(log, "ab") as out:
         out.write(b"step %d loss=nan\n" % (len(lines) + 1))
     assert logs.poll()["j1"].nonfinite_count == 1  # a new one is news
+
+
+def _within(fn: Callable[[], object], seconds: float = 10.0) -> object:
+    """fn() run on a daemon thread; fails (rather than hanging the suite) if it blocks."""
+    box: list[object] = []
+    t = threading.Thread(target=lambda: box.append(_outcome(fn)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert box, f"blocked for {seconds} s"
+    return box[0]
+
+
+def _outcome(fn: Callable[[], object]) -> object:
+    try:
+        return fn()
+    except OSError as e:
+        return e
+
+
+def test_a_fifo_or_symlink_in_the_logs_place_is_refused_without_blocking(tmp_path: Path) -> None:
+    """A job can put a FIFO where its log was (`rm L; mkfifo L`): the follower's plain open() of it
+    waited for a writer forever, and with it the sidecar's progress probe (stale from then on)."""
+    log = tmp_path / "job.log"
+    log.write_bytes(b"step 1 loss=1.0\n")
+    f = LogFollower(log)
+    assert f.read_new() == b"step 1 loss=1.0\n"
+    log.unlink()
+    os.mkfifo(log)
+    err = _within(f.read_new)
+    assert isinstance(err, OSError) and err.errno == errno.EINVAL and "fifo" in str(err)
+    log.unlink()
+    (tmp_path / "other.txt").write_bytes(b"step 9 loss=9.0\n")
+    log.symlink_to(tmp_path / "other.txt")
+    err = _within(f.read_new)
+    assert isinstance(err, OSError) and err.errno == errno.ELOOP  # a symlink is never followed
+    log.unlink()
+    log.write_bytes(b"step 2 loss=0.5\n")
+    assert f.read_new() == b"step 2 loss=0.5\n"  # a regular file again: followed from its start
+    f.close()
+
+
+def test_job_logs_go_on_for_the_other_jobs_when_one_log_is_a_fifo(tmp_path: Path) -> None:
+    from sidecar.health import JobLogs
+
+    good, bad = tmp_path / "j1.log", tmp_path / "j2.log"
+    good.write_bytes(b"step 1 loss=1.0\n")
+    os.mkfifo(bad)
+    logs = JobLogs(None, None)
+    logs.follow((("j2", str(bad)), ("j1", str(good))))
+    got = _within(logs.poll)
+    assert isinstance(got, dict) and got["j1"].step == 1 and got["j2"].step is None
+    with open(good, "ab") as out:
+        out.write(b"step 2 loss=0.5\n")
+    got = _within(logs.poll)
+    assert isinstance(got, dict) and got["j1"].step == 2
