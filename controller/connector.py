@@ -109,6 +109,7 @@ async def run_process(
     timeout_s: float | None,
     what: str,
     new_session: bool = False,
+    cwd: str | None = None,
 ) -> Completed:
     """Run `argv` here to its end (killed if it outlives `timeout_s` or the caller is cancelled)."""
     proc = await asyncio.create_subprocess_exec(
@@ -117,6 +118,7 @@ async def run_process(
         stdout=asyncio.subprocess.PIPE if stdout is None else stdout,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=new_session,
+        cwd=cwd,
     )
     try:
         out, err = await asyncio.wait_for(proc.communicate(stdin), timeout_s)
@@ -159,7 +161,10 @@ class LocalConnector:
         stdout: int | None = None,
         timeout_s: float | None = 60.0,
     ) -> Completed:
-        return await run_process(argv, stdin=stdin, stdout=stdout, timeout_s=timeout_s, what=argv[0])
+        # In "/", never in this shell's directory: that is where local boxes work, and the sidecar's
+        # stray rule counts any process standing there (another box's teardown, run at once, took
+        # this one's `sidecar.launch gone` for a stray and refused after it had deleted).
+        return await run_process(argv, stdin=stdin, stdout=stdout, timeout_s=timeout_s, what=argv[0], cwd="/")
 
     async def put(self, files: Sequence[Path], remote_dir: str, *, timeout_s: float = 600.0) -> None:
         raise ControllerError("internal: a local box needs no files copied to it")

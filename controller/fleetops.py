@@ -207,8 +207,8 @@ async def tear_down(
     *,
     accept_server_checksum: bool = False,
 ) -> list[DownOutcome]:
-    """Tear down every box of `fleet` (each passed the gate, and the user confirmed how many), one
-    after another, each as `down NAME --confirm NAME` does: judged again now (the box may have moved on
+    """Tear down every box of `fleet` (each passed the gate, and the user confirmed how many), all
+    at once, each as `down NAME --confirm NAME` does: judged again now (the box may have moved on
     since), and torn down only if the gate still allows it. `manual_done(name)`: what the box's
     teardown asks when its meter is stopped by hand."""
 
@@ -236,8 +236,6 @@ async def tear_down(
             )
         return DownOutcome(box.name, TORN_DOWN, verdict=v, teardown=result)
 
-    # One after another: a teardown's own helper processes (the launcher that checks the sidecar is
-    # gone) run in this controller's working directory, which is where local boxes work: running
-    # at once, one box's release took another's helpers for strays and refused after it had
-    # deleted (seen under load). Each teardown takes seconds; the judging is what runs at once.
-    return [await one(b) for b in fleet]
+    # All at once: a local box's helpers run in "/" (LocalConnector.run), so one box's release
+    # never takes another teardown's launcher for a stray.
+    return list(await asyncio.gather(*(one(b) for b in fleet)))
