@@ -40,6 +40,12 @@ def up_boxes(state: State) -> list[Box]:
     return sorted((b for b in state.boxes() if b.status == "up"), key=lambda b: b.name)
 
 
+def live_boxes(state: State) -> list[Box]:
+    """Every box not yet down, by name: up, or with a teardown left unfinished (its meter may still
+    run: `down --all` must never leave it out)."""
+    return sorted((b for b in state.boxes() if b.status != "down"), key=lambda b: b.name)
+
+
 # -- pull --all ------------------------------------------------------------------------------------
 
 
@@ -173,6 +179,21 @@ async def judge_all(
     silent = await asyncio.gather(*(_silence(b, deadline_s) for b in fleet))
 
     async def one(box: Box, why: str) -> DownOutcome:
+        earlier = teardown.unfinished(state, box)
+        if why and earlier is not None:
+            # As `down NAME` says it: no gate can run, only the meter is left to settle, one box at
+            # a time (its provider's poll, its manual steps); the fleet's count never covers it.
+            argv = boxes.box_profile(box).meter_stop.mode == "argv"
+            refusal = teardown.unfinished_refusal(box, earlier, resend=argv)
+            poll = (
+                f"; `boxwarden down {box.name} --confirm {box.name}` asks the provider first and records "
+                "the box gone if it says so"
+                if argv
+                else ""
+            )
+            return DownOutcome(
+                box.name, REFUSED, [Reason(teardown.UNFINISHED_CODE, detail=f"{refusal}{poll}")]
+            )
         if why:
             reason = gone.with_hint(Reason("SIDECAR_UNREACHABLE", detail=why), box)
             return DownOutcome(box.name, REFUSED, [reason])

@@ -797,7 +797,7 @@ def fleet_verdicts(outcomes: Sequence[DownOutcome], *, dry_run: bool) -> None:
     c = _console()
     passing = [o for o in outcomes if o.outcome == "allowed"]
     c.print(
-        f"down --all: {len(outcomes)} boxes up; {len(passing)} pass the gate"
+        f"down --all: {len(outcomes)} boxes not down; {len(passing)} pass the gate"
         + (" (dry run: nothing was done; `down NAME --dry-run` shows a box's evidence)" if dry_run else "")
     )
     for o in outcomes:

@@ -314,7 +314,7 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
 def _down_all(dry_run: bool, confirm_count: int | None, accept_server_checksum: bool, as_json: bool) -> None:
     state = open_state()
     interactive = sys.stdin.isatty() and not as_json
-    fleet = fleetops.up_boxes(state)
+    fleet = fleetops.live_boxes(state)
     busy: list[fleetops.DownOutcome] = []
     with contextlib.ExitStack() as stack:
         if dry_run:  # as `down NAME --dry-run`: no lock

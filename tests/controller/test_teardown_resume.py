@@ -230,3 +230,27 @@ def test_a_state_db_from_before_step_records_is_migrated(bw: Bw, tmp_path: Path)
     (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()
     assert bw.json("down", NAME, "--confirm", NAME)["teardown"]["gone"] is True
     assert stop_calls(tmp_path) == 1
+
+
+def test_down_all_never_leaves_out_a_box_whose_teardown_is_unfinished(bw: Bw, tmp_path: Path) -> None:
+    """`down --all` took only the boxes that are up: a box whose meter stop was never proven (its
+    meter may still run) was left out, and with no other box it said "nothing to tear down", exit 0."""
+    unproven(bw, tmp_path)
+    for args in (("--dry-run",), ()):
+        doc = bw.json("down", "--all", *args, code=3)
+        (row,) = doc["boxes"]
+        assert row["box"] == NAME and row["outcome"] == "refused", row
+        (reason,) = row["reasons"]
+        assert reason["code"] == "TEARDOWN_UNFINISHED"
+        said = " ".join(reason["detail"].split())
+        assert "was sent at" in said and "never proven" in said
+        assert f"boxwarden down {NAME} --confirm {NAME}` asks the provider first" in said
+        assert doc["passing"] == 0
+    r = bw("down", "--all")
+    assert r.returncode == 3 and f"REFUSED {NAME}: TEARDOWN_UNFINISHED" in r.stderr, r.stderr
+    assert stop_calls(tmp_path) == 1  # nothing sent again
+    assert box_row(bw)["status"] == "meter-unproven"
+    (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()  # the provider finished on its own
+    assert bw.json("down", NAME, "--confirm", NAME)["teardown"]["gone"] is True  # as the line said
+    r = bw("down", "--all")
+    assert r.returncode == 0 and "nothing to tear down" in r.stderr, r.stderr
