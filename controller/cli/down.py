@@ -4,7 +4,7 @@ continuation of a teardown that did not finish (`teardown.unfinished` decides wh
 the user says is gone, the gate on its last claims list and durable copies (`controller.gone`).
 
 `boxwarden down --all [--dry-run] [--confirm-count N] [--accept-server-checksum] [--json]`: the gate on
-every box that is up, then, after one confirmation of how many, the teardown of those that pass, each
+every box that is not down, then, after one confirmation of how many, the teardown of those that pass, each
 as `down NAME --confirm NAME` does it (`controller.fleetops`)."""
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def command(
         _down_all(dry_run, confirm_count, accept_server_checksum, as_json)
         return
     if name is None:
-        raise UsageError("name the box to tear down (or --all for every box that is up)")
+        raise UsageError("name the box to tear down (or --all for every box that is not down)")
     if confirm_count is not None:
         raise UsageError("--confirm-count goes with --all; one box is confirmed by its name: --confirm NAME")
     if pulled is not None:

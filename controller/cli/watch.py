@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from controller import plan, render, watchview
+from controller import fleetops, plan, render, watchview
 from controller.cli.options import open_state
 from controller.errors import UsageError
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     "far where `up --price-per-hour` gave its price).",
 )
 def command(targets: tuple[str, ...], interval: float, once: bool, idle_minutes: float) -> None:
-    """Watch every box that is up (or the boxes of PLAN, with their cells, or the named boxes)."""
+    """Watch every box that is not down (or the boxes of PLAN, with their cells, or the named boxes)."""
     state = open_state()
     queue_name = ""
     if len(targets) == 1 and targets[0].endswith(".toml") and Path(targets[0]).is_file():
@@ -50,7 +50,8 @@ def command(targets: tuple[str, ...], interval: float, once: bool, idle_minutes:
             )
     else:
         names = list(targets)
-    boxes = [state.get(n) for n in names] if names else [b for b in state.boxes() if b.status == "up"]
+    # Every box not down: one whose teardown did not finish may still be metered.
+    boxes = [state.get(n) for n in names] if names else fleetops.live_boxes(state)
     if not boxes:
         raise UsageError("no box is up: `boxwarden up NAME ...` or `boxwarden fanout up PLAN` first")
     from rich.console import Console

@@ -254,3 +254,12 @@ def test_down_all_never_leaves_out_a_box_whose_teardown_is_unfinished(bw: Bw, tm
     assert bw.json("down", NAME, "--confirm", NAME)["teardown"]["gone"] is True  # as the line said
     r = bw("down", "--all")
     assert r.returncode == 0 and "nothing to tear down" in r.stderr, r.stderr
+
+
+def test_watch_shows_a_box_whose_teardown_is_unfinished(bw: Bw, tmp_path: Path) -> None:
+    """Its meter may still run: `watch` (every box not down) must not drop it as it drops a box down."""
+    unproven(bw, tmp_path)
+    r = bw("watch", "--once")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout + r.stderr
+    assert NAME in out and "meter-unproven" in out, out
