@@ -30,7 +30,7 @@ from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
 from sidecar.cellqueue import QueueRunner
 from sidecar.config import Settings
-from sidecar.errors import ConfigError
+from sidecar.errors import ConfigError, PreconditionError
 from sidecar.evidence import unsealed
 from sidecar.gpu import GpuProbe, NullGpuProbe, ReplayGpuProbe, open_gpu_probe
 from sidecar.health import HealthHub
@@ -296,11 +296,16 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     retainer = Retainer(sealer, s.keep, protected=resumed_from)
 
     async def running_jobs(caller: Caller | None) -> list[str]:
-        lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
+        try:
+            running = await jobs.running_now()
+            found = await jobs.strays([str(d) for d in s.watch_dirs], caller)
+        except PreconditionError as e:  # the scan of /proc did not answer: nothing shows no job runs
+            return [str(e)]
+        lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in running]
         lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
         lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
         lines += queues.waiting()
-        return lines + [stray_line(x) for x in await jobs.strays([str(d) for d in s.watch_dirs], caller)]
+        return lines + [stray_line(x) for x in found]
 
     releaser = Releaser(sealer, running_jobs, pace)
 

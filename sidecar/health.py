@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
@@ -37,7 +38,7 @@ from sidecar.jobs import JobRecord, JobSupervisor
 from sidecar.ledger import ClaimRow, Ledger
 from sidecar.memprobe import MemoryProbe, MemorySample
 from sidecar.probes import DiskSample, SelfSampler, disk_usage
-from sidecar.probethread import ProbeThread
+from sidecar.probethread import ProbeThread, Reading
 from sidecar.progress import LogFollower, Progress, ProgressTracker
 from sidecar.storage import DurableStore
 
@@ -235,7 +236,7 @@ class HealthHub:
     # ---- one sample (on the loop: no blocking call) ---------------------------------------------
 
     async def sample(self) -> pb.HealthSnapshot:
-        jobs = self._jobs.jobs()
+        jobs = await self._jobs.jobs_now()  # scanned off the loop; the last state if it did not answer
         self._logs.follow(tuple((j.id, j.log_path) for j in jobs if j.state == "running" and j.log_path))
         host, gpu, progress = await asyncio.gather(self._host.read(), self._gpu.read(), self._progress.read())
         if progress.value is not None:
@@ -256,7 +257,9 @@ class HealthHub:
         self._job_alerts(jobs, summary.newest, now)
         self.alerts.hold_pulses(PULSED)
         snap.jobs.extend(job_to_pb(j, self._last_progress.get(j.id), now) for j in jobs)
-        for name, reading in (("host", host), ("gpu", gpu), ("progress", progress)):
+        scan = self._jobs.scan_state()
+        readings: list[tuple[str, Reading[Any]]] = [("host", host), ("gpu", gpu), ("progress", progress)]
+        for name, reading in [*readings, *([("jobs", scan)] if scan is not None else [])]:
             snap.probes.append(
                 pb.ProbeState(name=name, stale=reading.stale, age_s=reading.age_s, error=reading.error)
             )

@@ -14,8 +14,11 @@ kills, and `recover()` re-adopts a job whose keeper (same start time) or any mem
 The keeper's exit (the job's last process has ended) is observed through a pidfd registered with
 the event loop (Linux >= 5.3); the leader's exit status is the one its keeper wrote to a file.
 Once the keeper is gone with members left, or where pidfds are unavailable, a light poll re-scans
-/proc until the tree is empty; `jobs()` and `running()` scan afresh on every call, so the gate
-never sees a stale "not running". We spawn with `subprocess.Popen` rather than
+/proc until the tree is empty. Every scan of /proc runs on a thread of its own with a deadline
+(`scan_now`): reading a process's environment can block in the kernel, and the event loop must
+never wait on it. `jobs()` and `running()` answer as of the last scan; `jobs_now()` and
+`running_now()` scan first, and the gate's `running_now(strict=True)` refuses when no fresh scan
+answers, so it never sees a stale "not running". We spawn with `subprocess.Popen` rather than
 `asyncio.create_subprocess_exec` on purpose: an asyncio subprocess transport kills its child when
 it is closed or garbage-collected, which would take the training job down with the sidecar.
 Records from before keepers (no `keeper`) are watched through their leader, as they were.
@@ -52,6 +55,7 @@ from sidecar.jobrecord import (
     read_start_ticks,
     resolve_program,
 )
+from sidecar.probethread import ProbeThread, Reading
 from sidecar.strays import Stray
 
 __all__ = ["JOB_EXITED", "JOB_STARTED", "JobRecord", "JobStore", "JobSupervisor", "read_start_ticks"]
@@ -79,7 +83,13 @@ _STOP_POLL_S = 0.05
 _KILL_WAIT_S = 5.0
 # A stray scan that has not finished by then is stuck in the kernel (a mount that does not answer).
 _STRAY_SCAN_S = 5.0
+# A scan of /proc that has not answered by then is stuck in the kernel (an environ read of a process
+# whose memory map is locked): the last scan's state stands, marked stale, and the gate refuses.
+_SCAN_S = 5.0
 # A keeper reports its leader (or why it could not start it) within this time, or StartJob fails.
+
+
+_Scan = tuple[proctree.ProcTable, dict[str, set[int]]]  # a table and its job tags, read together
 
 
 @dataclass(**SLOTS)
@@ -118,12 +128,14 @@ class JobSupervisor:
         reap: Callable[[], object] | None = None,
         environ: Mapping[str, str] | None = None,
         resume_from: Callable[[JobRecord], Awaitable[str]] | None = None,
+        scan: Callable[[], proctree.ProcTable] = proctree.scan,
     ) -> None:
         """`resume_from(job)`: the checkpoint a restarted job resumes from ("" for none).
         `use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
         given, is called on every poll to collect orphaned jobs' zombies (the sidecar is their
         subreaper); never pass it in a process whose other children someone else waits for.
-        `environ`: what every job inherits (default: this process's environment when the job starts)."""
+        `environ`: what every job inherits (default: this process's environment when the job starts).
+        `scan`: how the live process table is read (run on the scanner's thread, never on the loop)."""
         self._store = store
         self._log_dir = log_dir
         self._default_cwd = default_cwd
@@ -134,6 +146,9 @@ class JobSupervisor:
         self._jobs: dict[str, JobRecord] = {}
         self._watches: dict[str, _Watch] = {}
         self._tags = proctree.TagReader()
+        self._scan = scan
+        self._scanner = ProbeThread("proc-scan", self._read_procs, timeout_s=_SCAN_S)
+        self.last_scan: Reading[_Scan] | None = None  # how the latest scan went (the health stream says)
         # The tags of the latest table, so that one scan reads them once for every job.
         self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
         self._orphans: dict[str, set[int]] = {}
@@ -143,6 +158,7 @@ class JobSupervisor:
         self._stray_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stray-scan")
         self._stuck: tuple[asyncio.Future[list[Stray]], strays.Progress] | None = None
         self._poll_task: asyncio.Task[None] | None = None
+        self._woken: set[asyncio.Task[None]] = set()  # scans begun by a pidfd that woke
         self._me = os.getpid()
         self._recovered = False
         self._closed = False
@@ -165,9 +181,15 @@ class JobSupervisor:
     # ---- queries -------------------------------------------------------------------------------
 
     def jobs(self) -> list[JobRecord]:
-        """Every known job, newest first, with the running ones' membership scanned now."""
-        self.refresh()
+        """Every known job, newest first, as of the last scan (see `jobs_now`)."""
         return sorted(reversed(self._jobs.values()), key=lambda j: j.started_at_ns, reverse=True)
+
+    async def jobs_now(self, *, strict: bool = False) -> list[JobRecord]:
+        """Every known job, with the running ones' membership scanned now (off the loop). A scan
+        that does not answer in time leaves the last state; with `strict` it raises
+        PreconditionError instead (what the gate asks must be fresh)."""
+        await self.scan_now(strict=strict)
+        return self.jobs()
 
     def get(self, job_id: str) -> JobRecord:
         try:
@@ -199,9 +221,17 @@ class JobSupervisor:
         except ValueError:
             return None
 
+    def scan_state(self) -> Reading[_Scan] | None:
+        """How the latest scan of /proc went, while some job is watched (None otherwise)."""
+        return self.last_scan if self._watches else None
+
     def running(self) -> list[JobRecord]:
-        """Jobs with a live process, scanned now (the gate and release ask this)."""
+        """Jobs with a live process, as of the last scan."""
         return [j for j in self.jobs() if j.state == "running"]
+
+    async def running_now(self, *, strict: bool = True) -> list[JobRecord]:
+        """Jobs with a live process, scanned now (the gate and release ask this): strict by default."""
+        return [j for j in await self.jobs_now(strict=strict) if j.state == "running"]
 
     def log_path(self, job_id: str) -> Path:
         return Path(self.get(job_id).log_path)
@@ -377,7 +407,7 @@ class JobSupervisor:
         while True:
             if resend is not None:
                 self._signal_tree(job_id, resend)
-            self.refresh()
+            await self.scan_now()
             remaining = deadline - time.monotonic()
             if watch.done.done() or remaining <= 0:
                 return watch.done.done()
@@ -463,7 +493,7 @@ class JobSupervisor:
             if job.state == "exited" and job.restart_at_ns and job.id not in self._restarts:
                 logger.info("job %s was waiting to be started again: armed again", job.id)
                 self._maybe_restart(self._jobs[job.id], due_ns=job.restart_at_ns)
-        self.refresh()
+        await self.scan_now()
 
     def adopt_tagged(self, job_id: str, *, cell: str, argv: Sequence[str], cwd: str) -> JobRecord | None:
         """A job id that has no record but whose processes (carrying its tag) live: a start the
@@ -556,6 +586,10 @@ class JobSupervisor:
         if self._poll_task is not None:
             self._poll_task.cancel()
             await asyncio.gather(self._poll_task, return_exceptions=True)
+        for task in list(self._woken):
+            task.cancel()
+        await asyncio.gather(*self._woken, return_exceptions=True)
+        self._scanner.close()
         self._stray_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- watching ------------------------------------------------------------------------------
@@ -605,45 +639,94 @@ class JobSupervisor:
             fast = any(not w.anchor_done for w in polled)
             await asyncio.sleep(_POLL_INTERVAL_S if fast else _TREE_POLL_S)
             try:
-                self.refresh()
+                await self.scan_now()
                 if self._reap is not None:
                     self._reap()
             except Exception:  # the poll is all that ends these jobs: it must not die
                 logger.exception("scanning the jobs' processes failed")
 
     def _on_pidfd(self, job_id: str) -> None:
+        watch = self._watches.get(job_id)
+        if watch is None or watch.pidfd is None:
+            return
+        # A readable pidfd stays readable: off the loop's readers at once, or the loop spins while
+        # the scan runs on its thread.
+        asyncio.get_running_loop().remove_reader(watch.pidfd)
+        task = asyncio.get_running_loop().create_task(self._pidfd_woke(job_id), name=f"job-{job_id}-woke")
+        self._woken.add(task)
+        task.add_done_callback(self._woken.discard)
+
+    async def _pidfd_woke(self, job_id: str) -> None:
+        table = None
         try:
-            self.refresh()
+            table = await self.scan_now()
         except Exception:
             logger.exception("scanning job %s's processes failed", job_id)
         watch = self._watches.get(job_id)
         if watch is not None and watch.pidfd is not None:
-            # A readable pidfd stays readable: never leave it registered, or the loop spins.
-            logger.warning("pidfd of job %s woke but its process lives; polling instead", job_id)
+            if table is not None:
+                logger.warning("pidfd of job %s woke but its process lives; polling instead", job_id)
             self._unwatch(asyncio.get_running_loop(), watch)
-            self._ensure_poll()
+            self._ensure_poll()  # (a scan that did not answer: the poll looks again)
 
-    def refresh(self) -> None:
-        """Scan /proc now: note leader exits, each running job's live processes, and finished jobs."""
+    def _read_procs(self) -> _Scan:
+        """On the scanner's thread: every process's stat, and the job tags of the new ones."""
+        table = self._scan()
+        return table, self._tags.tags(table)
+
+    async def _fresh_table(self, strict: bool) -> proctree.ProcTable | None:
+        """A table read now on the scanner's thread (with its tags indexed), or None when it did not
+        answer within _SCAN_S (PreconditionError with `strict`)."""
+        reading = await self._scanner.read()
+        self.last_scan = reading
+        if reading.stale or reading.value is None:
+            if strict:
+                raise PreconditionError(
+                    f"the scan of this box's processes did not answer ({reading.error}): whether a job "
+                    "still runs cannot be told now; try again in a minute"
+                )
+            return None
+        table, tags = reading.value
+        self._index(table, tags)
+        return table
+
+    async def scan_now(self, *, strict: bool = False) -> proctree.ProcTable | None:
+        """Scan /proc now, off the loop: note leader exits, each running job's live processes, and
+        finished jobs. The table read (None when no watched job needed one or the scan did not
+        answer; PreconditionError then with `strict`)."""
         if self._closed or not self._watches:
-            return
-        table = proctree.scan()
-        empty = [job_id for job_id in list(self._watches) if not self._check(job_id, table)]
+            return None
+        table = await self._fresh_table(strict)
+        if table is None:
+            return None
+        empty = [
+            job_id
+            for job_id in list(self._watches)
+            if job_id in self._watches and not self._check(job_id, table)
+        ]
         if empty:
             # A scan is not atomic: a process forked behind the scan's position by a member that
             # then exited is missed. Only a second look, after it, may end a job.
-            table = proctree.scan()
+            again = await self._fresh_table(strict)
+            if again is None:
+                return table
+            table = again
             for job_id in empty:
                 if job_id in self._watches and not self._check(job_id, table):
                     self._on_end(job_id)
+        return table
+
+    def _index(self, table: proctree.ProcTable, tags: dict[str, set[int]]) -> None:
+        """Make `table` (and its tags) the one `_members` reads, with the orphans it shows."""
+        # Only among running jobs: an orphan given to a finished one would be nobody's.
+        leaders = {j.id: (j.pid, j.proc_start_ticks) for j in self._jobs.values() if j.state == "running"}
+        self._orphans = proctree.orphans_of_jobs(table, self._me, children.registered(), leaders)
+        self._tagged = (table, tags)
 
     def _members(self, job: JobRecord, table: proctree.ProcTable) -> list[int]:
         if self._tagged is None or self._tagged[0] is not table:
-            # Only among running jobs: an orphan given to a finished one would be nobody's.
-            leaders = {j.id: (j.pid, j.proc_start_ticks) for j in self._jobs.values() if j.state == "running"}
-            orphans = proctree.orphans_of_jobs(table, self._me, children.registered(), leaders)
-            self._tagged = (table, self._tags.tags(table))
-            self._orphans = orphans
+            self._index(table, self._tags.tags(table))  # a table of recover's or adoption's own
+        assert self._tagged is not None
         given = self._orphans.get(job.id, set())
         recorded = self._jobs[job.id].adopted if job.id in self._jobs else job.adopted
         adopted = {pid for pid, ticks in recorded if table.live(pid, ticks)}
@@ -688,12 +771,16 @@ class JobSupervisor:
         The look at each process's directories and open files runs in a thread of its own, with a
         deadline: a stat through a process's cwd on a network or FUSE mount that stopped answering
         blocks in the kernel, and must not freeze the sidecar. A scan that misses its deadline (or
-        one still stuck from before) names the process it is stuck on as a stray: fail closed."""
+        one still stuck from before) names the process it is stuck on as a stray: fail closed. A
+        scan of /proc itself that does not answer raises PreconditionError."""
         stuck = self._stuck_scan()
         if stuck is not None:
             return [stuck]
-        running = self.running()  # scans now, and brings every job's membership up to date
-        table = proctree.scan()
+        # Scanned now (off the loop), every job's membership brought up to date; a scan that does
+        # not answer raises PreconditionError: nothing shows what the jobs' processes are.
+        table = await self.scan_now(strict=True) or await self._fresh_table(strict=True)
+        assert table is not None
+        running = self.running()
         # The sidecar and its own children (the keepers), not every process that
         # was reparented to it: an orphan no running job took is looked at like any other.
         exempt = {self._me} | table.closure(children.registered(), set())

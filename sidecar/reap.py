@@ -145,7 +145,7 @@ async def _check(
 
     reading = await health.gpu_reading_now()  # begun after the pidfd was opened
 
-    every = jobs.jobs()  # scans /proc now: each running job's processes as they are now
+    every = await jobs.jobs_now(strict=True)  # each running job's processes as they are now
     running = [j for j in every if j.state == "running"]
     for j in running:
         if pid == j.pid or pid in j.live_pids:

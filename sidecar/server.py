@@ -408,11 +408,11 @@ class SidecarService:
         if request.queues_only:
             wanted = [q for q in self._p.queues.queues() if not request.queue or q.name == request.queue]
             return pb.ListJobsResponse(queues=self._p.queues.listing(wanted, brief=request.brief))
-        jobs = self._p.jobs.jobs()
         watched = [str(d) for d in self._p.settings.watch_dirs]
-        found = await self._p.jobs.strays(
+        found = await self._p.jobs.strays(  # scans /proc (off the loop) and every job's membership
             watched, _caller(request.caller) if request.HasField("caller") else None
         )
+        jobs = self._p.jobs.jobs()
         return pb.ListJobsResponse(
             jobs=[job_to_pb(j) for j in jobs],
             strays=[

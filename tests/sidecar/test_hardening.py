@@ -213,6 +213,8 @@ def test_a_fifo_swapped_in_for_a_running_jobs_log_leaves_the_progress_probe_answ
         for snap in late:
             (progress,) = [p for p in snap.probes if p.name == "progress"]
             assert not progress.stale, progress.error
+            (scan,) = [p for p in snap.probes if p.name == "jobs"]  # the scan of /proc, off the loop
+            assert not scan.stale, scan
             (j,) = [j for j in snap.jobs if j.id == job.id]
             assert j.progress.step == 7  # the last progress read stays
         d.stub.StopJob(pb.StopJobRequest(id=job.id, grace_s=1), timeout=30)

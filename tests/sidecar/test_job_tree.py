@@ -12,7 +12,8 @@ import os
 import signal
 import sys
 import textwrap
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -288,23 +289,37 @@ class MemoryStore:
         return list(self.saved.values())
 
 
-def test_running_is_answered_from_a_fresh_scan_without_pidfds(tmp_path: Path, procs: Procs) -> None:
+def test_running_is_answered_from_a_fresh_scan_without_pidfds(
+    tmp_path: Path, procs: Procs, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """No poll tick has to pass: the gate's question scans /proc when it is asked."""
     argv, pid_file, _, stop = procs.writer("fresh", "plain")
     store = MemoryStore()
+    # No poll tick comes during the test: only the scan of running_now() can see the change.
+    monkeypatch.setattr("sidecar.jobs._POLL_INTERVAL_S", 3600.0)
+    monkeypatch.setattr("sidecar.jobs._TREE_POLL_S", 3600.0)
+
+    async def until_now(
+        sup: JobSupervisor, what: str, predicate: Callable[[list[JobRecord]], object]
+    ) -> None:
+        deadline = time.monotonic() + 30
+        while not predicate(await sup.running_now()):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.05)
 
     async def main() -> None:
         sup = JobSupervisor(store, tmp_path / "logs", tmp_path, lambda *event: None, use_pidfd=False)
         try:
             job = await sup.start(["sh", "-c", '"$@" & exit 0', "sh", *argv])
             writer = procs.wait_pid(pid_file)
-            # Blocking the loop on purpose: only the scan inside running() can see the change.
-            wait_until(lambda: sup.running() and sup.get(job.id).leader_exited, what="the leader's exit")
+            await until_now(
+                sup, "the leader's exit", lambda running: running and sup.get(job.id).leader_exited
+            )
             assert sup.get(job.id).live_pids == [writer]
             assert store.saved[job.id].leader_exited and store.saved[job.id].exit_code == 0
             stop.touch()
             # Its keeper reaps it, records the job's end and exits: then no job runs.
-            wait_until(lambda: not sup.running(), what="the job to end")
+            await until_now(sup, "the job to end", lambda running: not running)
             assert not pid_alive(writer)
             done = sup.get(job.id)
             assert (done.state, done.exit_code, done.live_pids) == ("exited", 0, [])

@@ -20,7 +20,7 @@ import pytest
 
 import sidecar.jobs
 import sidecar.spawn
-from sidecar import children
+from sidecar import children, proctree
 from sidecar.errors import NotFoundError, PreconditionError
 from sidecar.jobs import JOB_EXITED, JOB_STARTED, JobRecord, JobSupervisor
 from tests.conftest import children_of, wait_until
@@ -70,6 +70,17 @@ async def until(what: str, predicate: Callable[[], bool], timeout: float = DEADL
     """Await a condition (a file's content, typically) with a deadline."""
     deadline = time.monotonic() + timeout
     while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+async def until_scanned(
+    sup: JobSupervisor, what: str, predicate: Callable[[list[JobRecord]], object], timeout: float = DEADLINE_S
+) -> None:
+    """Await a condition on the running jobs as a fresh scan (off the loop) shows them."""
+    deadline = time.monotonic() + timeout
+    while not predicate(await sup.running_now()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
@@ -344,7 +355,7 @@ def test_a_stopped_keeper_is_woken_so_that_stop_job_ends_the_job(
         await wait_gone(keeper)
         # A job that stops its own keeper and exits: the next look wakes the keeper, the job ends.
         job = await sup.start(["sh", "-c", "kill -STOP $PPID; exit 3"])
-        wait_until(lambda: not sup.running(), what="the job to end")
+        await until_scanned(sup, "the job to end", lambda running: not running)
         assert (sup.get(job.id).state, sup.get(job.id).exit_code) == ("exited", 3)
 
     run_supervised(tmp_path, body)
@@ -380,7 +391,7 @@ def test_an_exit_file_written_by_the_job_itself_is_not_its_status(tmp_path: Path
         job = await sup.start(["sh", "-c", f'echo 7 > {logs}/"$BOXWARDEN_JOB_ID".exit; exec sleep 60'])
         forged = logs / f"{job.id}.exit"
         await until("the job to write it", lambda: forged.exists() and forged.read_text() == "7\n")
-        (seen,) = sup.jobs()
+        (seen,) = await sup.jobs_now(strict=True)
         assert (seen.leader_exited, seen.exit_code, seen.live_pids) == (False, None, [job.pid])
         stopped = await sup.stop(job.id, grace_s=5)
         assert (stopped.state, stopped.exit_code) == ("stopped", -signal.SIGTERM)
@@ -455,9 +466,9 @@ def test_the_keeper_holds_the_job_and_is_not_part_of_it(tmp_path: Path) -> None:
         assert not list((tmp_path / "logs").glob("*.spec"))  # read and removed
         os.kill(keeper, signal.SIGTERM)
         os.kill(keeper, signal.SIGHUP)
-        assert sup.jobs()[0].state == "running" and is_alive(keeper)
+        assert (await sup.jobs_now(strict=True))[0].state == "running" and is_alive(keeper)
         assert os.getsid(job.pid) == job.pid != os.getsid(keeper)
-        (listed,) = sup.jobs()  # scanned now
+        (listed,) = await sup.jobs_now(strict=True)  # scanned now
         assert listed.live_pids == [job.pid]
         stopped = await sup.stop(job.id, grace_s=5)
         # It outlived those signals: it reaped the leader, recorded its status and the job's end.
@@ -601,3 +612,49 @@ def test_a_stray_scan_stuck_in_the_kernel_names_the_process_and_never_freezes_th
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_scan_of_proc_that_hangs_never_blocks_the_loop_and_the_gates_question_fails_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 9, item 8: every scan of /proc ran on the event loop (the health sample, ListJobs, the
+    release check): a read stuck in the kernel (a process's environ while its memory map is locked)
+    would have frozen every RPC. Scans now run on a thread with a deadline."""
+    monkeypatch.setattr(sidecar.jobs, "_SCAN_S", 0.5)
+    hang, entered, release = threading.Event(), threading.Event(), threading.Event()
+
+    def scan() -> proctree.ProcTable:
+        if hang.is_set():
+            entered.set()
+            release.wait(30)  # a fake that blocks for up to 30 s
+        return proctree.scan()
+
+    async def main() -> None:
+        sup = JobSupervisor(MemoryStore(), tmp_path / "logs", tmp_path, Events(), scan=scan)
+        job = await sup.start(py("import time; time.sleep(60)"))
+        try:
+            assert [j.id for j in await sup.running_now()] == [job.id]
+            state = sup.scan_state()
+            assert state is not None and not state.stale
+            hang.set()
+            pending = asyncio.ensure_future(sup.jobs_now())
+            # The loop turns while the scan hangs on its thread: this await returns.
+            await until("the scan to hang", entered.is_set)
+            (listed,) = await pending  # by the deadline, with the last state
+            assert (listed.id, listed.state) == (job.id, "running")
+            state = sup.scan_state()
+            assert state is not None and state.stale and "no answer" in state.error
+            with pytest.raises(PreconditionError, match="did not answer"):
+                await sup.running_now()  # the gate's question: refused, never "not running"
+            release.set()
+            hang.clear()
+            await until_scanned(sup, "a fresh scan", lambda running: [j.id for j in running] == [job.id])
+            state = sup.scan_state()
+            assert state is not None and not state.stale
+        finally:
+            release.set()
+            hang.clear()
+            await sup.stop(job.id, grace_s=1)
+            await sup.close()
+
+    asyncio.run(main())

@@ -1352,7 +1352,7 @@ class ProbeState(_message.Message):
     AGE_S_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     name: _builtins.str
-    """"host" (disks, memory), "gpu", "progress"."""
+    """"host" (disks, memory), "gpu", "progress"; "jobs" (the scan of /proc) while a job is followed."""
     stale: _builtins.bool
     age_s: _builtins.float
     """Seconds since its last good reading."""
