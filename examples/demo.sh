@@ -4,7 +4,7 @@
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 BIN="$REPO/.venv/bin"
-DEMO="$REPO/.demo"
+DEMO="${BOXWARDEN_DEMO_DIR:-$REPO/.demo}"   # tests/test_demo.py runs it in a tmp dir
 export BOXWARDEN_HOME="$DEMO/home"   # the demo's own controller state, apart from yours
 export COLUMNS="${COLUMNS:-160}"
 
@@ -12,11 +12,14 @@ step() { printf '\n\033[1;36m== %s\033[0m\n' "$*" >&2; }
 bw() { printf '\033[2m$ boxwarden %s\033[0m\n' "$*" >&2; "$BIN/boxwarden" "$@"; }
 running_jobs() {
   "$BIN/boxwarden" status demo --json | "$BIN/python" -c \
-    'import json,sys; b=json.load(sys.stdin)["boxes"][0]; print(str(b.get("jobs","0")).split()[0])'
+    'import json,sys; print(json.load(sys.stdin)["boxes"][0]["jobs_running"])'   # status schema 2
 }
 
 if [ -f "$DEMO/home/boxes/demo/sidecar/sidecar.pid" ]; then   # a previous demo left its sidecar running
-  kill "$(cat "$DEMO/home/boxes/demo/sidecar/sidecar.pid")" 2>/dev/null || true
+  old=$(cat "$DEMO/home/boxes/demo/sidecar/sidecar.pid")
+  kill "$old" 2>/dev/null || true
+  # Its end, before its dirs go: a sidecar still draining would take the new one's socket with it.
+  for _ in $(seq 1 100); do kill -0 "$old" 2>/dev/null || break; sleep 0.1; done
 fi
 rm -rf "$DEMO"; mkdir -p "$DEMO/work"; cd "$DEMO/work"
 

@@ -8,7 +8,6 @@ ledger → shut the executor down. Jobs are never killed by a sidecar shutdown: 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import functools
 import json
@@ -195,6 +194,18 @@ def _remove_stale_socket(path: Path) -> None:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
             path.unlink()
     except FileNotFoundError:
+        pass
+
+
+def _remove_own_pid(path: Path) -> None:
+    """Remove the pid file if it still names this process: a sidecar still draining after its
+    state dir was deleted and made again never takes away the pid file of the one started there
+    since. (Its socket it cannot keep: gRPC unlinks the path as its listener closes; the state
+    dir's lock keeps two sidecars off one state dir otherwise.)"""
+    try:
+        if path.read_text().strip() == str(os.getpid()):
+            path.unlink()
+    except (FileNotFoundError, UnicodeDecodeError):
         pass
 
 
@@ -451,7 +462,6 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         executor.shutdown(wait=True, cancel_futures=True)
         scan_executor.shutdown(wait=True, cancel_futures=True)
         store.close()
-        with contextlib.suppress(FileNotFoundError):
-            s.pid_path.unlink()
+        _remove_own_pid(s.pid_path)
         _remove_stale_socket(s.socket_path)
         lock.close()

@@ -298,3 +298,21 @@ def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_sidecar_goes_on(t
         text = log.read_text()
         assert "Thread 0x" in text and "sidecar/__main__.py" in text  # every thread, the main one too
         d.stub.Hello(pb.HelloRequest(), timeout=5)
+
+
+def test_an_exiting_sidecar_leaves_the_pid_file_another_sidecar_wrote(tmp_path: Path) -> None:
+    """Found by `make demo`: a sidecar still draining after SIGTERM, whose state dir had been deleted
+    and made again, unlinked the pid file of the sidecar started there since."""
+    with running(tmp_path) as d:
+        assert d.proc is not None
+        pid_file = d.state / "sidecar.pid"
+        assert pid_file.read_text().strip() == str(d.proc.pid)
+        pid_file.write_text("4242\n")  # another sidecar's, written since
+        d.kill(signal.SIGTERM)
+        assert pid_file.read_text() == "4242\n"
+    with running(tmp_path) as d:  # its own it removes as it exits
+        assert d.proc is not None
+        pid_file = d.state / "sidecar.pid"
+        wait_until(lambda: pid_file.read_text().strip() == str(d.proc.pid), what="the new pid file")
+        d.kill(signal.SIGTERM)
+        assert not pid_file.exists()
