@@ -189,6 +189,24 @@ def _write_pid(path: Path) -> None:
     os.replace(tmp, path)
 
 
+async def jobs_in_the_way(
+    jobs: JobSupervisor, waiting: Callable[[], list[str]], roots: list[str], caller: Caller | None
+) -> list[str]:
+    """Why a release may not delete now, a line each: running, starting and restarting jobs, cells
+    a queue will start, strays. The scan (off the loop) comes first; every list is then read at one
+    instant, so a job started while it ran is in one of them. A scan that does not answer is a
+    line too: nothing then shows that no job runs."""
+    try:
+        found = await jobs.strays(roots, caller)  # scans /proc now: every job's membership too
+    except PreconditionError as e:
+        return [str(e)]
+    lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
+    lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
+    lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
+    lines += waiting()
+    return lines + [stray_line(x) for x in found]
+
+
 def _remove_stale_socket(path: Path) -> None:
     try:
         if stat.S_ISSOCK(os.lstat(path).st_mode):
@@ -307,16 +325,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     retainer = Retainer(sealer, s.keep, protected=resumed_from)
 
     async def running_jobs(caller: Caller | None) -> list[str]:
-        try:
-            running = await jobs.running_now()
-            found = await jobs.strays([str(d) for d in s.watch_dirs], caller)
-        except PreconditionError as e:  # the scan of /proc did not answer: nothing shows no job runs
-            return [str(e)]
-        lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in running]
-        lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
-        lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
-        lines += queues.waiting()
-        return lines + [stray_line(x) for x in found]
+        return await jobs_in_the_way(jobs, queues.waiting, [str(d) for d in s.watch_dirs], caller)
 
     releaser = Releaser(sealer, running_jobs, pace)
 

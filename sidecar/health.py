@@ -340,6 +340,9 @@ class HealthHub:
         if fresh:
             self.alerts.hold("GPU_THROTTLE", alerts.gpu_throttled(reading))
             self.alerts.hold("ECC_ERRORS", alerts.ecc_grown(reading, self._ecc_baseline))
+        scan = self._jobs.scan_state()
+        if fresh and (scan is None or not scan.stale):  # a job's new process is no zombie: only
+            # while the jobs' membership is fresh too
             self.alerts.hold("VRAM_ZOMBIE", alerts.zombies(reading, _job_pids(jobs), _pid_exists))
 
     def _job_alerts(self, jobs: list[JobRecord], newest: ClaimRow | None, now: float) -> None:

@@ -361,7 +361,7 @@ class JobSupervisor:
         except Exception:
             # A job nobody can find after a restart is worse than no job: take it down.
             logger.exception("could not record job %s; killing it", job_id)
-            self._signal_tree(job_id, signal.SIGKILL)
+            await self._signal_tree(job_id, signal.SIGKILL)
             raise
         logger.info("job %s started: pid %s (keeper %s), %s", job_id, job.pid, keeper.pid, shlex.join(argv))
         self._safe_emit(JOB_STARTED, job_id, f"pid {job.pid}: {shlex.join(argv)}")
@@ -391,7 +391,7 @@ class JobSupervisor:
         if self._closed:
             raise PreconditionError("the job supervisor is shut down")
         watch.stop_requested = True
-        self._signal_tree(job_id, signal.SIGTERM)
+        await self._signal_tree(job_id, signal.SIGTERM)
         if not await self._wait_end(job_id, grace_s, None):
             logger.info("job %s outlived its %.1fs grace; sending SIGKILL", job_id, grace_s)
             # Re-sent on every scan: a member may fork between one scan and the next signal.
@@ -406,7 +406,7 @@ class JobSupervisor:
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             if resend is not None:
-                self._signal_tree(job_id, resend)
+                await self._signal_tree(job_id, resend)
             await self.scan_now()
             remaining = deadline - time.monotonic()
             if watch.done.done() or remaining <= 0:
@@ -414,22 +414,34 @@ class JobSupervisor:
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before 3.11
                 await asyncio.wait_for(asyncio.shield(watch.done), timeout=min(remaining, _STOP_POLL_S))
 
-    def _signal_tree(self, job_id: str, sig: signal.Signals) -> None:
-        job = self._jobs[job_id]
+    async def _signal_tree(self, job_id: str, sig: signal.Signals) -> None:
         watch = self._watches.get(job_id)
         if watch is None or watch.done.done():
             return
-        table = proctree.scan()
+        table = await self._fresh_table(strict=False)  # off the loop (a process's environ can hang)
+        job = self._jobs[job_id]
+        if watch.done.done():
+            return
         # The group first, in one call: it also reaches a child forked after the scan. Only while
-        # the group id is provably ours: the PID still names the leader (alive, or a zombie).
-        leader = table.procs.get(job.pid)
-        if leader is not None and job.proc_start_ticks and leader.start_ticks == job.proc_start_ticks:
+        # the group id is provably ours: the PID still names the leader (alive, or a zombie); read
+        # now when no table answered.
+        ticks = (
+            read_start_ticks(job.pid, include_zombie=True)
+            if table is None
+            else (table.procs[job.pid].start_ticks if job.pid in table.procs else None)
+        )
+        if ticks is not None and job.proc_start_ticks and ticks == job.proc_start_ticks:
             try:
                 os.killpg(job.pgid, sig)
             except ProcessLookupError:
                 pass
             except PermissionError as e:
                 raise PreconditionError(f"not allowed to signal job {job_id} (pgid {job.pgid})") from e
+        if table is None:
+            # No table: members seen before may be gone and their PIDs reused; only the group is
+            # sure. The wait re-signals once a scan answers again.
+            logger.warning("job %s: the scan of /proc did not answer; signalled its group only", job_id)
+            return
         for pid in self._members(job, table):  # never the keeper: it ends with its last child
             proctree.send_signal(table.procs[pid], sig)
 
@@ -677,7 +689,7 @@ class JobSupervisor:
     async def _fresh_table(self, strict: bool) -> proctree.ProcTable | None:
         """A table read now on the scanner's thread (with its tags indexed), or None when it did not
         answer within _SCAN_S (PreconditionError with `strict`)."""
-        reading = await self._scanner.read()
+        reading = await self._scanner.read_fresh()  # never a table asked for before this call
         self.last_scan = reading
         if reading.stale or reading.value is None:
             if strict:
@@ -709,6 +721,7 @@ class JobSupervisor:
             # then exited is missed. Only a second look, after it, may end a job.
             again = await self._fresh_table(strict)
             if again is None:
+                self._ensure_poll()  # their end is still to be seen: the poll looks again
                 return table
             table = again
             for job_id in empty:

@@ -1,10 +1,13 @@
 """ProbeThread: one blocking probe (statvfs of a network mount, NVML, /proc and cgroup files, a
 job's log) run on its own thread, so that nothing the sidecar's event loop serves ever waits on it.
 
-Each `read()` asks for a fresh reading and waits at most `timeout_s` for it. A probe that does not
-answer in time keeps its thread (a call stuck in the kernel cannot be taken back) and is not asked
-again until it returns; meanwhile `read()` answers at once with the last good reading, marked stale
-with its age and why. The thread is a daemon: a probe wedged for good never holds up the exit.
+Each `read()` asks for a fresh reading and waits at most `timeout_s` from the moment it was asked
+for. A probe that does not answer in time keeps its thread (a call stuck in the kernel cannot be
+taken back) and is not asked again until it returns; meanwhile `read()` answers at once with the last
+good reading, marked stale with its age and why. A reading's age counts from when it was asked for:
+an answer that comes late is as old as its question. `read_fresh()` takes only a reading asked for
+after it was called (a call already under way began before). The thread is a daemon: a probe wedged
+for good never holds up the exit.
 """
 
 from __future__ import annotations
@@ -46,35 +49,51 @@ class ProbeThread(Generic[T]):
             queue.SimpleQueue()
         )
         self._thread: threading.Thread | None = None
-        self._pending: asyncio.Future[T] | None = None
-        self._asked_at = 0.0
+        self._pending: tuple[asyncio.Future[T], float] | None = None  # the call under way, asked at
         self._value: T | None = None
-        self._taken_at = clock()
+        self._taken_at = clock()  # when the value's call was asked for
         self._error = "no reading yet"
 
     async def read(self) -> Reading[T]:
-        """A fresh reading if the probe answers within timeout_s, else the last good one, stale."""
+        """A fresh reading if the probe answers within timeout_s of being asked, else the last good
+        one, stale (at once when the call under way is already past its deadline)."""
         if self._pending is None:
             loop = asyncio.get_running_loop()
-            self._pending = loop.create_future()
-            self._asked_at = self._clock()
+            self._pending = (loop.create_future(), self._clock())
             self._start()
-            self._requests.put((loop, self._pending))
-        pending = self._pending
-        await asyncio.wait({pending}, timeout=self._timeout_s)
+            self._requests.put((loop, self._pending[0]))
+        pending, asked = self._pending
+        left = self._timeout_s - (self._clock() - asked)
+        if left > 0 and not pending.done():
+            await asyncio.wait({pending}, timeout=left)
         fresh = False
         if pending.done():
-            self._pending = None
+            if self._pending is not None and self._pending[0] is pending:
+                self._pending = None  # (another waiter may have asked anew since: leave that one)
             exc = pending.exception()
-            if exc is None:
-                self._value, self._taken_at, self._error, fresh = pending.result(), self._clock(), "", True
-            else:
+            if exc is not None:
                 self._error = f"{type(exc).__name__}: {exc}"
                 logger.warning("probe %s failed: %s", self.name, self._error)
+            elif self._value is None or asked >= self._taken_at:  # never an older answer over a newer
+                self._value, self._taken_at, self._error, fresh = pending.result(), asked, "", True
+            else:
+                fresh = self._error == ""
         else:
-            waited = self._clock() - self._asked_at
+            waited = self._clock() - asked
             self._error = f"no answer for {waited:.1f} s (timeout {self._timeout_s:g} s)"
         return Reading(self._value, not fresh, self._clock() - self._taken_at, self._error)
+
+    async def read_fresh(self) -> Reading[T]:
+        """`read()`, but only a reading whose call was asked for no earlier than this one: a call
+        already under way (begun before) is waited out first, then the probe is asked again."""
+        since = self._clock()
+        got = await self.read()
+        if got.stale or self._taken_at >= since:
+            return got
+        got = await self.read()
+        if got.stale or self._taken_at >= since:
+            return got
+        return Reading(got.value, True, got.age_s, "no reading asked for since this call answered")
 
     def close(self) -> None:
         """Let the thread end after its current call (it is a daemon: exit never waits for it)."""

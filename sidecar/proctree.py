@@ -166,13 +166,14 @@ class TagReader:
 
     def tags(self, table: ProcTable) -> dict[str, set[int]]:
         """job id -> live processes carrying its tag."""
+        cache = self._cache  # (the scanner's thread and the loop at startup may both read tags)
         fresh: dict[tuple[int, int], str | None] = {}
         found: dict[str, set[int]] = {}
         for p in table.procs.values():
             if p.zombie or p.kernel_thread:
                 continue
             key = (p.pid, p.start_ticks)
-            tag = self._cache[key] if key in self._cache else _read_tag(p.pid)
+            tag = cache[key] if key in cache else _read_tag(p.pid)
             fresh[key] = tag
             if tag is not None and tag != _UNREADABLE:
                 found.setdefault(tag, set()).add(p.pid)

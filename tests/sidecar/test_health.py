@@ -44,14 +44,80 @@ def test_a_hung_probe_answers_by_its_deadline_with_its_last_reading_marked_stale
         assert (first.value, first.stale, first.error) == (1, False, "")
         t0 = time.monotonic()
         late = await p.read()
-        again = await p.read()
-        assert time.monotonic() - t0 < 2.0  # two reads, each bounded by the deadline
+        again = await p.read()  # the call under way is past its deadline: answered at once
+        assert time.monotonic() - t0 < 2.0  # two reads, bounded by the one deadline
         assert late.value == again.value == 1 and late.stale and again.stale
-        assert "no answer" in again.error and again.age_s >= 0.4
+        assert "no answer" in again.error and again.age_s >= late.age_s >= 0.2
         assert len(calls) == 2  # a hung probe is never asked twice at once
         release.set()
+        await answered(p)
         fresh = await p.read()
         assert fresh.value == 2 and not fresh.stale  # the late answer, once it came
+        assert fresh.age_s >= late.age_s  # as old as its question, not taken "now"
+        p.close()
+
+    asyncio.run(scenario())
+
+
+async def answered(p: ProbeThread[int], timeout: float = 30.0) -> None:
+    """Await the answer of the call under way (set on the loop by the probe's thread)."""
+    deadline = time.monotonic() + timeout
+    while p._pending is not None and not p._pending[0].done():
+        assert time.monotonic() < deadline, "the probe never answered"
+        await asyncio.sleep(0.01)
+
+
+def test_read_fresh_never_takes_an_answer_to_a_call_asked_before_it() -> None:
+    """Review of the /proc scan change: a scan that missed its deadline and answered later was
+    handed to the next read as fresh (age 0), so the release's stray check judged a table read
+    long before it was asked (a stray started since was never looked at)."""
+    release = threading.Event()
+    calls: list[int] = []
+
+    def probe() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            release.wait(30)  # the first call hangs until released
+        return len(calls)
+
+    async def scenario() -> None:
+        p = ProbeThread("t", probe, timeout_s=0.2)
+        assert (await p.read()).stale  # the first call is stuck
+        release.set()
+        await answered(p)  # its late answer waits to be taken
+        got = await p.read_fresh()  # it was asked before: not taken, the probe is asked again
+        assert (got.value, got.stale) == (2, False) and len(calls) == 2
+        p.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_waiter_never_drops_the_call_another_waiter_asked_since() -> None:
+    """Review: every waiter that woke on a finished call cleared the call under way, even one
+    another waiter had asked since; the next read then asked the probe a second time at once."""
+    gates = [threading.Event(), threading.Event()]
+    calls: list[int] = []
+
+    def probe() -> int:
+        calls.append(1)
+        if len(calls) <= 2:
+            gates[len(calls) - 1].wait(30)
+        return len(calls)
+
+    async def scenario() -> None:
+        p = ProbeThread("t", probe, timeout_s=10)
+        x = asyncio.ensure_future(p.read())  # asks call 1
+        await asyncio.sleep(0)
+        a = asyncio.ensure_future(p.read_fresh())  # joins call 1, then asks call 2
+        b = asyncio.ensure_future(p.read())  # joins call 1; wakes after a asked call 2
+        await asyncio.sleep(0)
+        gates[0].set()
+        assert (await x).value == 1 and (await b).value == 1
+        c = asyncio.ensure_future(p.read())  # must join call 2, not ask a third
+        await asyncio.sleep(0)
+        gates[1].set()
+        assert (await a).value == 2 and (await c).value == 2
+        assert len(calls) == 2
         p.close()
 
     asyncio.run(scenario())

@@ -78,9 +78,15 @@ async def until(what: str, predicate: Callable[[], bool], timeout: float = DEADL
 async def until_scanned(
     sup: JobSupervisor, what: str, predicate: Callable[[list[JobRecord]], object], timeout: float = DEADLINE_S
 ) -> None:
-    """Await a condition on the running jobs as a fresh scan (off the loop) shows them."""
+    """Await a condition on the running jobs as a fresh scan (off the loop) shows them (a scan that
+    does not answer yet, as one that was stuck, is looked at again)."""
     deadline = time.monotonic() + timeout
-    while not predicate(await sup.running_now()):
+    while True:
+        try:
+            if predicate(await sup.running_now()):
+                return
+        except PreconditionError:
+            pass
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
@@ -655,6 +661,107 @@ def test_a_scan_of_proc_that_hangs_never_blocks_the_loop_and_the_gates_question_
             release.set()
             hang.clear()
             await sup.stop(job.id, grace_s=1)
+            await sup.close()
+
+    asyncio.run(main())
+
+
+def test_a_job_restarted_while_the_release_scans_is_still_in_its_way(tmp_path: Path) -> None:
+    """Review of the /proc scan change: the release's lines were read at two moments (the running
+    jobs before the stray scan, the restarting ones after it): a job whose restart came during the
+    scan was in neither, and the release went on while it ran."""
+    from sidecar.app import jobs_in_the_way
+
+    slow = threading.Event()
+
+    def scan() -> proctree.ProcTable:
+        if slow.is_set():
+            time.sleep(1.5)  # a slow scan (a big /proc): the restart's backoff ends during it
+        return proctree.scan()
+
+    async def main() -> None:
+        sup = JobSupervisor(MemoryStore(), tmp_path / "logs", tmp_path, Events(), scan=scan)
+        job = await sup.start(
+            py("import time, sys; time.sleep(0.2); sys.exit(1)"),
+            restart="on-failure",
+            max_restarts=3,
+            backoff_s=0.5,
+        )
+        try:
+            await until_scanned(sup, "its first run to fail", lambda _: bool(sup.restart_pending()))
+            slow.set()
+            lines = await jobs_in_the_way(sup, list, [str(tmp_path)], None)
+            slow.clear()
+            assert any(job.id in line for line in lines), (lines, sup.get(job.id).state)
+        finally:
+            slow.clear()
+            await sup.stop(job.id, grace_s=0)
+            await sup.close()
+
+    asyncio.run(main())
+
+
+def test_a_jobs_end_is_seen_even_when_the_second_look_does_not_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: the first look saw the keeper gone, the second missed its deadline: the job was left
+    with neither a pidfd nor a poll, "running" until some other caller happened to scan."""
+    monkeypatch.setattr(sidecar.jobs, "_SCAN_S", 0.3)
+    looks: list[int] = []
+    armed = threading.Event()
+
+    def scan() -> proctree.ProcTable:
+        table = proctree.scan()
+        if armed.is_set():
+            looks.append(1)
+            if len(looks) == 2:
+                time.sleep(1.0)  # only the second look after the job's end is late
+        return table
+
+    async def main() -> None:
+        sup = JobSupervisor(MemoryStore(), tmp_path / "logs", tmp_path, Events(), scan=scan)
+        job = await sup.start(py("import time; time.sleep(0.5)"))
+        armed.set()  # the next scan is the pidfd's, once the job ends
+        try:
+            await until(
+                "the job's end, seen by the supervisor alone", lambda: sup.get(job.id).state == "exited"
+            )
+        finally:
+            await sup.close()
+
+    asyncio.run(main())
+
+
+def test_stop_job_reads_no_environ_on_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review: StopJob's signalling scanned /proc on the loop and read the environ of every process
+    new to it there; one whose read hangs (its memory map locked) would have frozen every RPC."""
+    victim: dict[str, int] = {"pid": -1}
+    read_on: list[str] = []
+    real = proctree._read_tag
+
+    def read_tag(pid: int) -> str | None:
+        if pid == victim["pid"]:
+            read_on.append(threading.current_thread().name)
+            time.sleep(1.0)  # a slow read of a new process's environ
+        return real(pid)
+
+    monkeypatch.setattr(proctree, "_read_tag", read_tag)
+
+    async def main() -> None:
+        sup = JobSupervisor(MemoryStore(), tmp_path / "logs", tmp_path, Events())
+        job = await sup.start(py("import time; time.sleep(60)"))
+        other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # new since the last scan
+        try:
+            await sup.jobs_now(strict=True)
+            read_on.clear()
+            victim["pid"] = other.pid  # (its tag is cached now: forget it, as for a process new to the stop)
+            sup._tags = proctree.TagReader()
+            stopped = await sup.stop(job.id, grace_s=1)
+            assert stopped.state == "stopped"
+            assert read_on and threading.main_thread().name not in read_on, read_on
+        finally:
+            other.kill()
+            other.wait()
             await sup.close()
 
     asyncio.run(main())
