@@ -230,13 +230,16 @@ class HealthHub:
                 "in time; try again once `boxwarden status` shows the gpu probe fresh"
             )
         # Its Xids are handed out once: the alerts must see them as the sampler's would.
-        self._gpu_alerts(got.value, self._jobs.jobs(), fresh=True)
+        # (The jobs as last scanned: their membership may be old, so VRAM_ZOMBIE is left to the sampler.)
+        self._gpu_alerts(got.value, self._jobs.jobs(), fresh=True, members_fresh=False)
         return got.value
 
     # ---- one sample (on the loop: no blocking call) ---------------------------------------------
 
     async def sample(self) -> pb.HealthSnapshot:
         jobs = await self._jobs.jobs_now()  # scanned off the loop; the last state if it did not answer
+        scan = self._jobs.scan_state()  # how that scan went (None: no job followed, nothing to scan)
+        members_fresh = scan is None or not scan.stale
         self._logs.follow(tuple((j.id, j.log_path) for j in jobs if j.state == "running" and j.log_path))
         host, gpu, progress = await asyncio.gather(self._host.read(), self._gpu.read(), self._progress.read())
         if progress.value is not None:
@@ -251,13 +254,12 @@ class HealthHub:
                 self._check_freed(list(host.value.disks))
             _disks_to_pb(snap, host.value)
         if gpu.value is not None:
-            self._gpu_alerts(gpu.value, jobs, fresh=not gpu.stale)
+            self._gpu_alerts(gpu.value, jobs, fresh=not gpu.stale, members_fresh=members_fresh)
             _gpus_to_pb(snap, gpu.value, _job_pids(jobs))
             snap.gpu_source, snap.gpu_error = gpu.value.source, gpu.value.error
         self._job_alerts(jobs, summary.newest, now)
         self.alerts.hold_pulses(PULSED)
         snap.jobs.extend(job_to_pb(j, self._last_progress.get(j.id), now) for j in jobs)
-        scan = self._jobs.scan_state()
         readings: list[tuple[str, Reading[Any]]] = [("host", host), ("gpu", gpu), ("progress", progress)]
         for name, reading in [*readings, *([("jobs", scan)] if scan is not None else [])]:
             snap.probes.append(
@@ -332,7 +334,11 @@ class HealthHub:
         held = Held(f"the OOM killer killed {count} process(es) in {where}{whose}", job_id=",".join(died))
         self.alerts.pulse("OOM_KILL", "memory", held)
 
-    def _gpu_alerts(self, reading: GpuReading, jobs: list[JobRecord], *, fresh: bool) -> None:
+    def _gpu_alerts(
+        self, reading: GpuReading, jobs: list[JobRecord], *, fresh: bool, members_fresh: bool
+    ) -> None:
+        """`fresh`: the GPU reading is new; `members_fresh`: the jobs' processes were scanned with
+        it (a job's new process is no zombie: VRAM_ZOMBIE is judged only then)."""
         for x in reading.xids if fresh else ():
             self.alerts.pulse(
                 "GPU_XID", f"gpu{x.gpu_index}", Held(f"GPU {x.gpu_index} ({x.uuid}): Xid {x.xid}")
@@ -340,9 +346,7 @@ class HealthHub:
         if fresh:
             self.alerts.hold("GPU_THROTTLE", alerts.gpu_throttled(reading))
             self.alerts.hold("ECC_ERRORS", alerts.ecc_grown(reading, self._ecc_baseline))
-        scan = self._jobs.scan_state()
-        if fresh and (scan is None or not scan.stale):  # a job's new process is no zombie: only
-            # while the jobs' membership is fresh too
+        if fresh and members_fresh:
             self.alerts.hold("VRAM_ZOMBIE", alerts.zombies(reading, _job_pids(jobs), _pid_exists))
 
     def _job_alerts(self, jobs: list[JobRecord], newest: ClaimRow | None, now: float) -> None:

@@ -391,15 +391,25 @@ class JobSupervisor:
         if self._closed:
             raise PreconditionError("the job supervisor is shut down")
         watch.stop_requested = True
-        await self._signal_tree(job_id, signal.SIGTERM)
-        if not await self._wait_end(job_id, grace_s, None):
+        whole = await self._signal_tree(job_id, signal.SIGTERM)
+        # No table answered: only the group has it; the rest get it as soon as a scan answers.
+        if not await self._wait_end(job_id, grace_s, None, term_once=None if whole else signal.SIGTERM):
             logger.info("job %s outlived its %.1fs grace; sending SIGKILL", job_id, grace_s)
             # Re-sent on every scan: a member may fork between one scan and the next signal.
             if not await self._wait_end(job_id, _KILL_WAIT_S, signal.SIGKILL):
                 logger.warning("job %s (pid %s) survived SIGKILL for %ss", job_id, job.pid, _KILL_WAIT_S)
         return self._jobs[job_id]
 
-    async def _wait_end(self, job_id: str, timeout: float, resend: signal.Signals | None) -> bool:
+    async def _wait_end(
+        self,
+        job_id: str,
+        timeout: float,
+        resend: signal.Signals | None,
+        *,
+        term_once: signal.Signals | None = None,
+    ) -> bool:
+        """Await the job's end for `timeout`, scanning; `resend` on every scan; `term_once` until one
+        reached the whole tree (the first signal found no table)."""
         watch = self._watches.get(job_id)
         if watch is None:
             return True
@@ -407,6 +417,8 @@ class JobSupervisor:
         while True:
             if resend is not None:
                 await self._signal_tree(job_id, resend)
+            elif term_once is not None and await self._signal_tree(job_id, term_once):
+                term_once = None
             await self.scan_now()
             remaining = deadline - time.monotonic()
             if watch.done.done() or remaining <= 0:
@@ -414,14 +426,16 @@ class JobSupervisor:
             with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before 3.11
                 await asyncio.wait_for(asyncio.shield(watch.done), timeout=min(remaining, _STOP_POLL_S))
 
-    async def _signal_tree(self, job_id: str, sig: signal.Signals) -> None:
+    async def _signal_tree(self, job_id: str, sig: signal.Signals) -> bool:
+        """Signal the job's group and every process of it; False when no table answered (only the
+        group was signalled, if provably the job's), True otherwise (or when nothing is left)."""
         watch = self._watches.get(job_id)
         if watch is None or watch.done.done():
-            return
+            return True
         table = await self._fresh_table(strict=False)  # off the loop (a process's environ can hang)
         job = self._jobs[job_id]
         if watch.done.done():
-            return
+            return True
         # The group first, in one call: it also reaches a child forked after the scan. Only while
         # the group id is provably ours: the PID still names the leader (alive, or a zombie); read
         # now when no table answered.
@@ -439,11 +453,12 @@ class JobSupervisor:
                 raise PreconditionError(f"not allowed to signal job {job_id} (pgid {job.pgid})") from e
         if table is None:
             # No table: members seen before may be gone and their PIDs reused; only the group is
-            # sure. The wait re-signals once a scan answers again.
+            # sure. The caller signals again once a scan answers.
             logger.warning("job %s: the scan of /proc did not answer; signalled its group only", job_id)
-            return
+            return False
         for pid in self._members(job, table):  # never the keeper: it ends with its last child
             proctree.send_signal(table.procs[pid], sig)
+        return True
 
     # ---- recovery / shutdown -------------------------------------------------------------------
 

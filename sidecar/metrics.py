@@ -140,7 +140,12 @@ def _metric_families(snap: pb.HealthSnapshot, *, box: str, run_id: str, now_unix
         kind = pb.EventKind.Name(a.kind) if a.kind in pb.EventKind.values() else str(a.kind)
         o.gauge("boxwarden_alert_active", "1 for each alert active now.", 1, kind=kind, subject=a.subject)
     for p in snap.probes:
-        o.gauge("boxwarden_probe_stale", "1: the probe missed its deadline.", p.stale, probe=p.name)
+        o.gauge(
+            "boxwarden_probe_stale",
+            "1: no new answer from the probe at the last sample (failed, or past its deadline).",
+            p.stale,
+            probe=p.name,
+        )
         o.gauge("boxwarden_probe_age_seconds", "Seconds since its last good reading.", p.age_s, probe=p.name)
     if snap.HasField("self"):
         s = snap.self

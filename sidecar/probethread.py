@@ -32,8 +32,10 @@ T = TypeVar("T")
 @dataclass(frozen=True, **SLOTS)
 class Reading(Generic[T]):
     value: T | None  # the newest good reading; None before the first
-    stale: bool  # value is not from this read (late, failed, or none yet)
-    age_s: float  # seconds since value was taken (since the probe was made, before the first)
+    # No new answer came for this read: the call failed, is past its deadline, or none came yet.
+    # (An answer that came after its deadline is taken at the next read, aged from its question.)
+    stale: bool
+    age_s: float  # seconds since value's call was asked for (since the probe was made, before the first)
     error: str  # why this read got no fresh value; "" when it did
 
 
@@ -72,8 +74,9 @@ class ProbeThread(Generic[T]):
                 self._pending = None  # (another waiter may have asked anew since: leave that one)
             exc = pending.exception()
             if exc is not None:
-                self._error = f"{type(exc).__name__}: {exc}"
-                logger.warning("probe %s failed: %s", self.name, self._error)
+                if self._value is None or asked >= self._taken_at:  # (an older call's failure: no news)
+                    self._error = f"{type(exc).__name__}: {exc}"
+                    logger.warning("probe %s failed: %s", self.name, self._error)
             elif self._value is None or asked >= self._taken_at:  # never an older answer over a newer
                 self._value, self._taken_at, self._error, fresh = pending.result(), asked, "", True
             else:

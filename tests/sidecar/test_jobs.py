@@ -765,3 +765,51 @@ def test_stop_job_reads_no_environ_on_the_event_loop(tmp_path: Path, monkeypatch
             await sup.close()
 
     asyncio.run(main())
+
+
+def test_stop_job_terms_every_process_once_a_scan_answers_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Review: when StopJob's first scan did not answer, only the job's group got SIGTERM; a process
+    of the job in a session of its own got nothing until the SIGKILL at the grace's end (no chance
+    to save a checkpoint), though scans answered again long before."""
+    monkeypatch.setattr(sidecar.jobs, "_SCAN_S", 0.3)
+    said = tmp_path / "child.txt"
+    slow = threading.Event()
+
+    def scan() -> proctree.ProcTable:
+        table = proctree.scan()
+        if slow.is_set():
+            slow.clear()
+            time.sleep(0.8)  # one scan misses its deadline; the next ones answer
+        return table
+
+    child = textwrap.dedent(
+        f"""
+        import signal, sys, time
+        def term(*_):
+            open({str(said)!r}, "a").write("TERM\\n"); sys.exit(0)
+        signal.signal(signal.SIGTERM, term)
+        open({str(said)!r}, "a").write("up\\n")
+        while True: time.sleep(1)
+        """
+    )
+    leader = (
+        f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}], "
+        "start_new_session=True); time.sleep(60)"
+    )
+
+    async def main() -> None:
+        sup = JobSupervisor(MemoryStore(), tmp_path / "logs", tmp_path, Events(), scan=scan)
+        job = await sup.start([sys.executable, "-c", leader])
+        try:
+            await until("the job's own-session child", lambda: said.exists() and "up" in said.read_text())
+            await until_scanned(sup, "the child in the job", lambda running: len(running[0].live_pids) == 2)
+            slow.set()
+            stopped = await sup.stop(job.id, grace_s=30)  # ends well before: every process had SIGTERM
+            assert stopped.state == "stopped"
+            assert said.read_text().split() == ["up", "TERM"]
+        finally:
+            await sup.close()
+
+    asyncio.run(main())
