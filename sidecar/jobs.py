@@ -148,7 +148,7 @@ class JobSupervisor:
         self._tags = proctree.TagReader()
         self._scan = scan
         self._scanner = ProbeThread("proc-scan", self._read_procs, timeout_s=_SCAN_S)
-        self.last_scan: Reading[_Scan] | None = None  # how the latest scan went (the health stream says)
+        self._last_scan: Reading[_Scan] | None = None  # how the latest scan went (see scan_state)
         # The tags of the latest table, so that one scan reads them once for every job.
         self._tagged: tuple[proctree.ProcTable, dict[str, set[int]]] | None = None
         self._orphans: dict[str, set[int]] = {}
@@ -223,7 +223,7 @@ class JobSupervisor:
 
     def scan_state(self) -> Reading[_Scan] | None:
         """How the latest scan of /proc went, while some job is watched (None otherwise)."""
-        return self.last_scan if self._watches else None
+        return self._last_scan if self._watches else None
 
     def running(self) -> list[JobRecord]:
         """Jobs with a live process, as of the last scan."""
@@ -705,7 +705,7 @@ class JobSupervisor:
         """A table read now on the scanner's thread (with its tags indexed), or None when it did not
         answer within _SCAN_S (PreconditionError with `strict`)."""
         reading = await self._scanner.read_fresh()  # never a table asked for before this call
-        self.last_scan = reading
+        self._last_scan = reading
         if reading.stale or reading.value is None:
             if strict:
                 raise PreconditionError(

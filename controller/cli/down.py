@@ -31,8 +31,8 @@ from controller.state import Box, State, exclusive
     "--all",
     "every",
     is_flag=True,
-    help="Every box that is up: each judged by the gate, those that pass torn down after one "
-    "confirmation of how many; the others are listed with their reasons.",
+    help="Every box not down (up, or its teardown unfinished): each judged by the gate, those that "
+    "pass torn down after one confirmation of how many; the others are listed with their reasons.",
 )
 @click.option("--dry-run", is_flag=True, help="Show the evidence and the verdict; change nothing.")
 @click.option("--confirm", metavar="NAME", help="Confirm by naming the box (otherwise you are asked).")

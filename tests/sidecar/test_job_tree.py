@@ -12,8 +12,7 @@ import os
 import signal
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from sidecar.jobs import JobRecord, JobSupervisor
 from tests.conftest import children_of, pid_alive, wait_until
 from tests.sidecar.daemon import Daemon, make_daemon, running
+from tests.sidecar.test_jobs import until_scanned
 
 DEADLINE_S = 30.0
 
@@ -299,27 +299,19 @@ def test_running_is_answered_from_a_fresh_scan_without_pidfds(
     monkeypatch.setattr("sidecar.jobs._POLL_INTERVAL_S", 3600.0)
     monkeypatch.setattr("sidecar.jobs._TREE_POLL_S", 3600.0)
 
-    async def until_now(
-        sup: JobSupervisor, what: str, predicate: Callable[[list[JobRecord]], object]
-    ) -> None:
-        deadline = time.monotonic() + 30
-        while not predicate(await sup.running_now()):
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.05)
-
     async def main() -> None:
         sup = JobSupervisor(store, tmp_path / "logs", tmp_path, lambda *event: None, use_pidfd=False)
         try:
             job = await sup.start(["sh", "-c", '"$@" & exit 0', "sh", *argv])
             writer = procs.wait_pid(pid_file)
-            await until_now(
+            await until_scanned(
                 sup, "the leader's exit", lambda running: running and sup.get(job.id).leader_exited
             )
             assert sup.get(job.id).live_pids == [writer]
             assert store.saved[job.id].leader_exited and store.saved[job.id].exit_code == 0
             stop.touch()
             # Its keeper reaps it, records the job's end and exits: then no job runs.
-            await until_now(sup, "the job to end", lambda running: not running)
+            await until_scanned(sup, "the job to end", lambda running: not running)
             assert not pid_alive(writer)
             done = sup.get(job.id)
             assert (done.state, done.exit_code, done.live_pids) == ("exited", 0, [])
