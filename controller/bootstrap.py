@@ -10,6 +10,7 @@ sidecar alone; a sidecar of another version is shut down and restarted; a dead o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -25,7 +26,14 @@ from controller import __version__
 from controller.client import SidecarClient
 from controller.connector import Connector, launch
 from controller.durable import CREDENTIALS_NAME
-from controller.errors import ControllerError, SidecarUnreachable, VersionMismatch
+from controller.errors import (
+    ControllerError,
+    SidecarMismatch,
+    SidecarUnreachable,
+    UsageError,
+    VersionMismatch,
+)
+from controller.identity import credentials_digest, new_nonce
 from controller.state import Box
 
 logger = logging.getLogger(__name__)
@@ -40,8 +48,14 @@ def socket_path_for(box_dir: Path) -> Path:
     natural = box_dir / "sidecar" / "sidecar.sock"
     if len(str(natural).encode()) <= MAX_SOCKET_PATH:
         return natural
-    tag = blake3.blake3(str(box_dir).encode()).hexdigest()[:16]
-    return Path(f"/tmp/boxwarden-{os.getuid()}") / f"{tag}.sock"
+    return short_socket(Path(f"/tmp/boxwarden-{os.getuid()}"), str(box_dir))
+
+
+def short_socket(directory: Path, owner: str) -> Path:
+    """A socket in `directory` for the box whose directory (on the box) is `owner`: named by a
+    digest of that whole path, never a part of it: two boxes never share one, however alike their
+    names begin."""
+    return directory / f"{blake3.blake3(owner.encode()).hexdigest()[:32]}.sock"
 
 
 def config_for(box: Box) -> pb.SidecarConfig:
@@ -71,12 +85,12 @@ def config_for(box: Box) -> pb.SidecarConfig:
 class UpResult:
     hello: pb.HelloResponse
     started: bool  # False: a sidecar of this version was already running and was left alone
-    note: str = ""
     findings: list[dict[str, str]] = field(default_factory=list)  # the box-side checks' findings
+    restarted_for: list[str] = field(default_factory=list)  # what a running sidecar was restarted to take
 
 
-async def _hello(conn: Connector, timeout_s: float) -> pb.HelloResponse | None:
-    """Hello without the version check; None if nothing answers."""
+async def answering(conn: Connector, timeout_s: float = 5.0) -> pb.HelloResponse | None:
+    """The Hello of whatever sidecar answers through `conn` (any version, any box); None if none."""
     try:
         target = await conn.target()
     except SidecarUnreachable:
@@ -88,7 +102,7 @@ async def _hello(conn: Connector, timeout_s: float) -> pb.HelloResponse | None:
             return None
 
 
-def start_request(box: Box, checks: dict[str, Any], *, start: bool = True) -> dict[str, Any]:
+def start_request(box: Box, checks: dict[str, Any], *, start: bool = True, nonce: str = "") -> dict[str, Any]:
     root = str(Path(box.state_dir).parent)
     return {
         **checks,
@@ -97,7 +111,67 @@ def start_request(box: Box, checks: dict[str, Any], *, start: bool = True) -> di
         "log_path": f"{root}/sidecar.log",
         "start": start,
         "deadline_s": START_DEADLINE_S,
+        "nonce": nonce,
     }
+
+
+FIXED = ("box_name", "state_dir", "socket_path", "watch_dirs", "durable_url", "run_id", "workdir",
+         "exclude_patterns", "keep", "push_rate_bytes_s")  # fmt: skip
+"""What a running sidecar's claims are about, or its record says it keeps: never changed by a restart."""
+
+
+def differences(
+    want: pb.SidecarConfig, running: pb.HelloResponse, credentials: str | None
+) -> tuple[list[str], list[str]]:
+    """How the running sidecar's configuration differs from the one `up` asks for: (what no restart
+    may change, what a restart takes). `credentials`: the text of new credentials, if given."""
+    have = running.config
+    fixed: list[str] = []
+    restart: list[str] = []
+    for f in pb.SidecarConfig.DESCRIPTOR.fields:
+        a, b = getattr(have, f.name), getattr(want, f.name)
+        if list(a) != list(b) if f.is_repeated else a != b:
+            line = f"{f.name}: {_show(a)} running, {_show(b)} asked"
+            (fixed if f.name in FIXED else restart).append(line)
+    if credentials is not None and running.credentials_digest != credentials_digest(
+        running.nonce, credentials.encode()
+    ):
+        restart.append("durable credentials: new ones given")
+    return fixed, restart
+
+
+def _show(v: object) -> str:
+    if isinstance(v, str):
+        return repr(v) if v else "none"
+    if not isinstance(v, (int, float)):
+        return "[" + ", ".join(map(repr, v)) + "]"  # type: ignore[call-overload]
+    return str(v)
+
+
+def _who(hello: pb.HelloResponse) -> str:
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(hello.started_at_unix_ns / 1e9))
+    return (
+        f"pid {hello.pid}, box {hello.box_name!r}, run {hello.run_id!r}, durable {hello.durable_url}, "
+        f"started {started}"
+    )
+
+
+def check_running(box: Box, running: pb.HelloResponse, *, ours: str | None) -> None:
+    """A running sidecar `up` may keep or restart: the box's own (its name, state dir), started or
+    adopted by this controller. `ours`: the nonce the box's live record holds ("" for a record of a
+    version that kept none: any is taken), None when this controller has no live record of the box."""
+    if running.box_name != box.name or running.state_dir != box.state_dir:
+        raise SidecarMismatch(
+            f"the sidecar that answers for {box.name} is another box's ({_who(running)}, state dir "
+            f"{running.state_dir}); nothing was changed. Two boxes share one socket: `down` the other one"
+        )
+    if ours is None or (ours and running.nonce != ours):
+        raise SidecarMismatch(
+            f"a sidecar that this controller did not start runs {box.name} ({_who(running)}). If you meant "
+            f"to take it over from here (another controller or a lost state started it), run `boxwarden up "
+            f"{box.name} --adopt` with the same --profile/--host: its run, store and watched dirs are then "
+            "taken from it. Otherwise `down` it from the controller that started it"
+        )
 
 
 async def up(
@@ -107,34 +181,47 @@ async def up(
     *,
     credentials: str | None = None,
     reconfigure: bool = False,
+    ours: str | None = None,
 ) -> UpResult:
     """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
     default, the profile's checks and inode floor). `credentials`: the durable store's, written
     0600 where the config says before the sidecar starts (over the request's stdin: never argv).
     `reconfigure`: a running sidecar of this version is restarted too, to read a changed config
-    (its jobs and queues go on: they outlive it)."""
-    req = start_request(box, checks)
+    (its jobs and queues go on: they outlive it). `ours`: the nonce of the sidecar the box's record
+    says this controller started; a running sidecar with another is refused (`up --adopt` takes it).
+
+    A running sidecar is left alone only when it runs exactly what is asked; otherwise it is restarted
+    (a new version, new credentials or health settings: its run and ledger stay) or, where its claims
+    would change meaning, refused with every difference."""
+    nonce = new_nonce()
+    req = start_request(box, checks, nonce=nonce)
     if credentials is not None:
         req["durable_credentials"] = credentials
     answer = await launch(conn, "start", req)
     findings = list(answer.get("findings", []))
+    restarted_for: list[str] = []
     if "running" in answer:
-        running = await _hello(conn, timeout_s=5.0)
+        running = await answering(conn, timeout_s=5.0)
         if running is None:
             raise SidecarUnreachable(
                 f"a sidecar (pid {answer['running']}) holds {box.state_dir} but does not answer; stop it, "
                 "or wait for it to finish starting, and run `up` again"
             )
-        if running.version == __version__ and not reconfigure:
-            note = ""
-            if list(running.watch_dirs) != list(box.watch) or running.durable_url != box.durable:
-                note = (
-                    "the running sidecar keeps its own watch dirs and durable URL; `down` it to change them"
-                )
-            return UpResult(hello=running, started=False, note=note, findings=findings)
-        logger.info(
-            "restarting the sidecar (version %s) with version %s and its config", running.version, __version__
-        )
+        check_running(box, running, ours=ours)
+        fixed, restarted_for = differences(config_for(box), running, credentials)
+        if fixed and running.version == __version__:
+            raise UsageError(
+                f"the running sidecar of {box.name} differs from what `up` asks for in what its claims are "
+                f"about ({'; '.join(fixed)}); nothing was changed. Give `up` what it runs, or `down` "
+                f"{box.name} first"
+            )
+        if running.version != __version__:
+            restarted_for = [f"version {running.version} running, {__version__} here", *restarted_for]
+        elif reconfigure and not restarted_for:
+            restarted_for = ["health settings"]
+        if not restarted_for:
+            return UpResult(hello=running, started=False, findings=findings)
+        logger.info("restarting the sidecar for: %s", "; ".join(restarted_for))
         async with SidecarClient(await conn.target()) as c:
             await c.shutdown()
         if not await wait_gone(box, conn, running.pid, deadline_s=STOP_DEADLINE_S):
@@ -145,25 +232,32 @@ async def up(
             )
         answer = await launch(conn, "start", req)
     try:
-        return await _started(box, conn, answer, findings)
+        res = await _started(box, conn, answer, findings, nonce)
     except BaseException:
         # An `up` that fails (or is interrupted) leaves no sidecar of its own running: the box's
         # record, and what an earlier teardown recorded, still describe it.
         await launch(conn, "stop", {"state_dir": box.state_dir}, timeout_s=STOP_DEADLINE_S + 15)
         raise
+    return dataclasses.replace(res, restarted_for=restarted_for)
 
 
 async def _started(
-    box: Box, conn: Connector, answer: dict[str, Any], findings: list[dict[str, str]]
+    box: Box, conn: Connector, answer: dict[str, Any], findings: list[dict[str, str]], nonce: str
 ) -> UpResult:
+    """Wait for the sidecar this `up` started (its pid and nonce) to answer through the link."""
     if "started" not in answer:
         raise ControllerError(
             f"a sidecar started meanwhile by something else holds {box.state_dir}; run `up` again"
         )
     deadline = time.monotonic() + START_DEADLINE_S
     while time.monotonic() < deadline:
-        hello = await _hello(conn, timeout_s=2.0)
+        hello = await answering(conn, timeout_s=2.0)
         if hello is not None:
+            if hello.nonce != nonce or hello.pid != answer["started"]:
+                raise SidecarMismatch(
+                    f"the sidecar started for {box.name} (pid {answer['started']}) is not the one that "
+                    f"answers through the link ({_who(hello)}); nothing was recorded"
+                )
             if hello.version != __version__:
                 raise VersionMismatch(f"the sidecar that answered runs {hello.version}, not {__version__}")
             return UpResult(hello=hello, started=True, findings=findings)
@@ -188,7 +282,7 @@ async def wait_gone(
     deadline = time.monotonic() + deadline_s
     pause = 0.05
     while time.monotonic() < deadline:
-        if await _hello(conn, timeout_s=0.5) is None:
+        if await answering(conn, timeout_s=0.5) is None:
             answer = await launch(conn, "gone", req, timeout_s=30)
             if answer.get("gone"):
                 return True

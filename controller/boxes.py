@@ -19,6 +19,8 @@ from pathlib import Path
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import (
+    __version__,
+    absence,
     bootstrap,
     checks,
     gate,
@@ -31,9 +33,15 @@ from controller import (
     templates,
 )
 from controller import durable as durable_url
-from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector, launch
-from controller.errors import ControllerError, SidecarUnreachable, StateError, UsageError
+from controller.errors import (
+    ControllerError,
+    SidecarMismatch,
+    SidecarUnreachable,
+    StateError,
+    UsageError,
+    VersionMismatch,
+)
 from controller.manifest import PARTS_DIR, REPLACED_DIR, RESERVED_NAMES
 from controller.pathtext import check_path_text
 from controller.reach import connect
@@ -89,7 +97,7 @@ async def up(
     profile: str | None,
     profile_file: Path | None,
     instance_id: str | None,
-    workdir: str,
+    workdir: str | None,
     watch: Sequence[str],
     durable: str | None,
     run_id: str | None,
@@ -105,9 +113,26 @@ async def up(
     push_rate: str | None = None,
     health: HealthOptions | None = None,
     price_per_hour: float | None = None,
+    adopt: bool = False,
 ) -> UpOutcome:
+    """`adopt`: take over the sidecar that runs the box (started by another controller, or before
+    this controller's state was lost): its run, store, watched dirs and settings are taken from its
+    Hello, none given here. Without it, a sidecar this controller did not start is refused."""
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
+    if adopt:
+        _check_adopt(
+            watch=watch,
+            durable=durable,
+            run_id=run_id,
+            exclude=exclude,
+            keep=keep,
+            push_rate=push_rate,
+            credentials=durable_credentials,
+            health=health,
+            workdir=workdir,
+        )
+    workdir = "." if workdir is None else workdir
     (health or HealthOptions()).check()
     if keep is not None:
         check_keep(keep)
@@ -168,7 +193,7 @@ async def up(
             f"profile {prof.name!r} stops the meter with a command that needs the provider's instance id: "
             "give it with --instance-id ID"
         )
-    if not watch:
+    if not watch and not adopt:
         raise UsageError("name at least one checkpoint directory to watch: --watch DIR")
     for cell in roster:
         check_name(cell, "roster cell")
@@ -218,15 +243,18 @@ async def up(
         price_per_hour=price_per_hour
         if price_per_hour is not None
         else (live.price_per_hour if live is not None else 0.0),
-        push_rate=rate if rate is not None else (live.push_rate if live is not None else 0),
+        push_rate=_push_rate(rate, live),
         host=host or "",
         options=options,
         ssh_config=ssh_config if host else "",
         credentials=credentials,
+        ours=live.sidecar_nonce if live is not None else None,
+        adopt=adopt,
     )
     box_dir = state.box_dir(name)
     if host is None:
-        socket = str(bootstrap.socket_path_for(box_dir))
+        # A box not torn down keeps the socket its sidecar was started on.
+        socket = live.socket if live is not None else str(bootstrap.socket_path_for(box_dir))
         where = Where(box_dir=box_dir, state_root=box_dir, python="", socket=socket)
         default_url = (box_dir / "durable").resolve().as_uri()
         return await _up_on(state, spec, LocalConnector(socket), where, default_url)
@@ -236,7 +264,7 @@ async def up(
         # The sidecar's venv there needs boto3 for a bucket, prometheus_client for its metrics.
         extras = (*(("metrics",) if spec.health.metrics_port else ()), *(("s3",) if bucket else ()))
         where, default_url = await _remote_where(
-            state, name, conn, host, prof, box_dir, box_index, on_durable, extras
+            state, name, conn, host, prof, box_dir, box_index, on_durable, extras, live
         )
         return await _up_on(state, spec, conn, where, default_url)
     finally:
@@ -309,6 +337,9 @@ class UpSpec:
     health: HealthOptions = HealthOptions(0, "", "", 0, 0)  # every setting resolved (see merged)
     price_per_hour: float = 0.0
     push_rate: int = 0  # bytes/s of the box's pushes (`--push-rate`); 0: the sidecar's default, -1: none
+    ours: str | None = None  # the nonce of the sidecar this controller started (None: no live record)
+    adopt: bool = False  # take over the running sidecar (`up --adopt`): the fields below come from it
+    adopted_credentials: bool = False  # the adopted sidecar reads its store's credentials from its state dir
 
 
 @dataclass(frozen=True)
@@ -332,6 +363,7 @@ async def _remote_where(
     box_index: str | None,
     state_on_durable: bool,
     extras: tuple[str, ...] = (),
+    live: Box | None = None,
 ) -> tuple[Where, str]:
     """Probe the remote box and give it the sidecar's venv: where its state lives, its python.
     `state_on_durable`: the state and the venv live on the profile's durable tier (they survive a
@@ -353,7 +385,9 @@ async def _remote_where(
     root = Path(probe.root) / "boxes" / name
     socket = root / "sidecar" / "sidecar.sock"
     if state_on_durable or len(os.fsencode(socket)) > bootstrap.MAX_SOCKET_PATH:
-        socket = Path(probe.home) / ".boxwarden" / "s" / f"{name[:40]}.sock"
+        socket = bootstrap.short_socket(Path(probe.home) / ".boxwarden" / "s", str(root))
+    if live is not None and live.socket:
+        socket = Path(live.socket)  # a box not torn down keeps the socket its sidecar was started on
     if ":" in str(socket):
         raise ControllerError(
             f"{host}: the sidecar's socket path {socket} holds a ':', which an SSH forward cannot carry"
@@ -369,7 +403,76 @@ async def _remote_where(
     return where, default_url
 
 
+def _check_adopt(**given: object) -> None:
+    """`up --adopt` takes what the sidecar runs with from the sidecar: nothing of it may be given."""
+    flags = {
+        "watch": "--watch",
+        "durable": "--durable",
+        "run_id": "--run-id",
+        "exclude": "--exclude",
+        "keep": "--keep",
+        "push_rate": "--push-rate",
+        "credentials": "--durable-credentials",
+        "workdir": "--workdir",
+    }
+    named = [flag for key, flag in flags.items() if given[key]]
+    health = given["health"]
+    if isinstance(health, HealthOptions) and health != HealthOptions():
+        named.append("the health options")
+    if named:
+        raise UsageError(
+            f"--adopt takes the run, store, watched dirs and settings from the running sidecar: leave out "
+            f"{', '.join(named)} (change them with `up` once the box is adopted)"
+        )
+
+
+async def _adopted(spec: UpSpec, conn: Connector, where: Where) -> UpSpec:
+    """`spec` with what the sidecar that runs the box says it runs with (`up --adopt`)."""
+    hello = await bootstrap.answering(conn)
+    if hello is None:
+        raise UsageError(
+            f"--adopt: no sidecar answers for {spec.name} on {spec.host or 'this machine'} "
+            f"({where.socket}): nothing to adopt; `up` without --adopt starts one"
+        )
+    state_dir = str(where.state_root / "sidecar")
+    if hello.box_name != spec.name or hello.state_dir != state_dir:
+        raise SidecarMismatch(
+            f"--adopt: the sidecar that answers on {where.socket} runs box {hello.box_name!r} with the state "
+            f"dir {hello.state_dir}, not {spec.name!r} with {state_dir}; nothing was adopted"
+        )
+    if hello.version != __version__:
+        raise VersionMismatch(
+            f"--adopt: the sidecar of {spec.name} runs boxwarden {hello.version}, this controller is "
+            f"{__version__}; adopt it with that version, or `down` it from the controller that started it"
+        )
+    cfg = hello.config
+    if cfg.profile != spec.prof.name:
+        raise UsageError(
+            f"--adopt: the sidecar of {spec.name} was started with profile {cfg.profile!r}: give --profile "
+            f"{cfg.profile} (its meter stop is that profile's)"
+        )
+    if spec.old is not None and spec.old.status == "down" and spec.old.run_id == cfg.run_id:
+        raise UsageError(f"--adopt: run {cfg.run_id} of {spec.name} was torn down by this controller")
+    return dataclasses.replace(
+        spec,
+        workdir=cfg.workdir,
+        watch=tuple(cfg.watch_dirs),
+        durable=cfg.durable_url,
+        run_id=cfg.run_id,
+        exclude=tuple(cfg.exclude_patterns),
+        keep=cfg.keep,
+        push_rate=cfg.push_rate_bytes_s,
+        health=HealthOptions(
+            cfg.stall_s, cfg.step_regex, cfg.loss_regex, cfg.memory_high_percent, cfg.metrics_port
+        ),
+        ours=hello.nonce,
+        adopted_credentials=bool(cfg.durable_credentials_file),
+    )
+
+
 async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
+    if spec.adopt:
+        spec = await _adopted(spec, conn, where)
     old, live, prof, name = spec.old, spec.live, spec.prof, spec.name
     url = spec.durable or (live.durable if live is not None else default_url)
     target = durable_url.parse(url)
@@ -415,6 +518,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         watch=tuple(watch_abs),
         durable=durable,
         durable_credentials=spec.credentials is not None
+        or spec.adopted_credentials
         or bool(live is not None and live.durable_credentials and live.durable == durable),
         run_id=spec.run_id
         or (old.run_id if old and not fresh else f"{name}-{time.strftime('%Y%m%dT%H%M%S')}"),
@@ -445,15 +549,22 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         "durable_dir": facts["durable"] if target.is_dir else "",
         "own_default": url == default_url,
     }
-    res = await bootstrap.up(box, conn, box_checks, credentials=spec.credentials, reconfigure=reconfigure)
+    res = await bootstrap.up(
+        box,
+        conn,
+        box_checks,
+        credentials=spec.credentials,
+        reconfigure=reconfigure,
+        ours=spec.ours,
+    )
     findings += [checks.Finding.from_json(f) for f in res.findings]
-    if not res.started and old is not None:
-        box = box.with_(
-            watch=tuple(res.hello.watch_dirs), durable=res.hello.durable_url, run_id=res.hello.run_id
-        )
     first_time = not box.notices_shown
     box = box.with_(
-        sidecar_pid=res.hello.pid, status="up", notices_shown=True, last_contact_ns=time.time_ns()
+        sidecar_pid=res.hello.pid,
+        sidecar_nonce=res.hello.nonce,
+        status="up",
+        notices_shown=True,
+        last_contact_ns=time.time_ns(),
     )
     # A sidecar answers: whatever an interrupted teardown did to an earlier one (released, stopped,
     # seen gone) no longer says anything about the box, which is watched again and may hold new
@@ -510,6 +621,16 @@ def parse_push_rate(text: str) -> int:
         )
     if rate > MAX_PUSH_RATE:
         raise UsageError(f"--push-rate {text!r} is over 1 TB/s; for no limit say --push-rate max")
+    return rate
+
+
+def _push_rate(rate: int | None, live: Box | None) -> int:
+    """The rate to record: a live box keeps its own unless another one is given (400M names the
+    default it runs: no change, so its sidecar's config stays as it is)."""
+    if live is None:
+        return rate or 0
+    if rate is None or effective_push_rate(rate) == effective_push_rate(live.push_rate):
+        return live.push_rate
     return rate
 
 
@@ -744,6 +865,7 @@ async def judge(
     state: State | None = None,
     accept_server_checksum: bool = False,
     box_gone: bool = False,
+    accept_lost: bool = False,
 ) -> gate.Verdict:
     """The gate's verdict on the box (see controller.gate). `state`: where the claims list received
     is kept (and, with `box_gone`, the last one read: controller.gone)."""
@@ -755,17 +877,19 @@ async def judge(
             "console (`boxwarden status` shows the audit)"
         )
     # The meter stop `down` would run must still be the one `up` accepted, and fillable: check it first.
-    meterstop.plan(box_profile(box), box)
+    profile = box_profile(box)
+    meterstop.plan(profile, box)
     if box_gone and state is None:
         raise ControllerError("internal: --box-gone judges the claims list kept in the controller state")
     silent = await teardown.silence(box) if box_gone else ""
     if silent and state is not None:
-        ev, early = await gone.gather(state, box, pulled, silent)
+        ev, early = await gone.gather(state, box, pulled, silent, await absence.prove(box, profile))
+        ev.accepted_lost = accept_lost
     else:
         keep = lastlist.keeper(state, box) if state is not None else None
         async with reach.link(box) as conn:
             try:
-                async with SidecarClient(conn=conn) as c:
+                async with reach.client(box, conn) as c:
                     ev, early = await gate.gather(c, box, pulled, keep=keep)
             except SidecarUnreachable as e:  # the link itself could not be built
                 ev, early = await gate.gather(None, box, pulled, unreachable=str(e))
@@ -782,7 +906,7 @@ async def down(
 ) -> teardown.TeardownResult:
     profile = box_profile(box)
     async with reach.link(box) as conn:
-        async with SidecarClient(conn=conn) as c:
+        async with reach.client(box, conn) as c:
             result = await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
         if isinstance(conn, SshConnector):
             await conn.exit_master()  # the box is torn down: its link goes too

@@ -2,16 +2,19 @@
 
 Channels are created inside the running loop (grpc.aio requires it). Every unary call has a
 deadline; streams have none (they end when the sidecar ends them or the caller stops reading).
+A client made for a box (`expect`) takes an answer only from that box's sidecar: every answer names
+who gives it (controller.identity), and is checked before it is used.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from types import TracebackType
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2 as pb
@@ -19,6 +22,7 @@ from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from controller import __version__
 from controller.errors import ControllerError, SidecarRefused, SidecarUnreachable, VersionMismatch
+from controller.identity import KEY, Expected, Stamp, check_stamp, hello_differences, refusal
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -57,11 +61,15 @@ class SidecarClient:
         timeout_s: float = 10.0,
         caller: pb.Caller | None = None,
         conn: Link | None = None,
+        expect: Expected | None = None,
     ) -> None:
         """target: a gRPC target, e.g. "unix:/path/to/sidecar.sock"; or `conn`, the box's connector,
         which gives the target (and can build the link again: `reconnect`). caller: this process and
-        its ancestors when the sidecar runs on this machine (see pb.Caller and `lineage`)."""
+        its ancestors when the sidecar runs on this machine (see pb.Caller and `lineage`). expect:
+        the box's sidecar as its record names it; an answer from any other raises SidecarMismatch
+        (None: any sidecar's answer is taken, for `up`, which compares what it finds itself)."""
         self.target = target
+        self.expect = expect
         self.timeout_s = timeout_s
         self.caller = caller
         self.conn = conn
@@ -126,14 +134,32 @@ class SidecarClient:
         assert self._stub is not None, "use `async with SidecarClient(...)`"
         return self._stub
 
-    async def _call(self, what: str, make: Callable[[], Awaitable[T]]) -> T:
+    async def _answer(
+        self, what: str, make: Callable[[], grpc.aio.UnaryUnaryCall[Any, T]]
+    ) -> tuple[T, Stamp | None]:
+        """The answer to one call, and who it says gave it."""
         try:
-            return await make()
+            call = make()
+            resp = await call
+            return resp, Stamp.parse((await call.initial_metadata()).get(KEY))
         except grpc.aio.AioRpcError as e:
             raise translate(e, what) from e
 
+    async def _call(self, what: str, make: Callable[[], grpc.aio.UnaryUnaryCall[Any, T]]) -> T:
+        resp, stamp = await self._answer(what, make)
+        self._check(stamp, what)
+        return resp
+
+    def _check(self, stamp: Stamp | None, what: str) -> None:
+        """Take the answer only from the expected sidecar; the first nonce seen is kept from then on."""
+        if self.expect is None:
+            return
+        seen = check_stamp(self.expect, stamp, what)
+        if not self.expect.nonce:
+            self.expect = dataclasses.replace(self.expect, nonce=seen.nonce)
+
     async def hello(self, *, timeout_s: float | None = None, check_version: bool = True) -> pb.HelloResponse:
-        resp = await self._call(
+        resp, stamp = await self._answer(
             "Hello", lambda: self.stub.Hello(pb.HelloRequest(), timeout=timeout_s or self.timeout_s)
         )
         if check_version and resp.version != __version__:
@@ -141,6 +167,13 @@ class SidecarClient:
                 f"the sidecar runs boxwarden {resp.version}, this controller is {__version__}; "
                 "run `boxwarden up` again to restart it with this version"
             )
+        self._check(stamp, "Hello")
+        if self.expect is not None:
+            diff = hello_differences(self.expect, resp)
+            if diff:
+                raise refusal(
+                    self.expect, "Hello", Stamp(resp.box_name, resp.run_id, resp.nonce).show(), diff
+                )
         return resp
 
     async def artifact_pages(self) -> AsyncIterator[pb.ListArtifactsResponse | None]:
@@ -315,25 +348,36 @@ class SidecarClient:
         return self._stream("TailLog", lambda: self.stub.TailLog(req), idle_s=idle)
 
     async def _stream(
-        self, what: str, make: Callable[[], AsyncIterable[T]], *, idle_s: float | None = STREAM_IDLE_S
+        self,
+        what: str,
+        make: Callable[[], grpc.aio.UnaryStreamCall[Any, T]],
+        *,
+        idle_s: float | None = STREAM_IDLE_S,
     ) -> AsyncIterator[T]:
-        """Iterate a server stream; a sidecar that sends nothing for idle_s seconds is unreachable."""
-        it = aiter(make())
+        """Iterate a server stream; a sidecar that sends nothing for idle_s seconds is unreachable.
+        Nothing of it is taken before it said who sends it (its initial metadata); a refusal is
+        raised as such, as a unary call's is."""
+        call = make()
+        it = aiter(call)
+        checked = False
         try:
             while True:
                 try:
                     item = await asyncio.wait_for(anext(it), timeout=idle_s)
                 except StopAsyncIteration:
+                    if not checked:
+                        self._check(Stamp.parse((await call.initial_metadata()).get(KEY)), what)
                     return
                 except TimeoutError as e:
                     raise SidecarUnreachable(f"{what}: the sidecar sent nothing for {idle_s:.0f}s") from e
+                if not checked:  # nothing of it is taken before it said who sends it
+                    self._check(Stamp.parse((await call.initial_metadata()).get(KEY)), what)
+                    checked = True
                 yield item
         except grpc.aio.AioRpcError as e:
             raise translate(e, what) from e
         finally:
-            cancel = getattr(it, "cancel", None)
-            if cancel is not None:
-                cancel()
+            call.cancel()
 
 
 def lineage(pid: int | None = None) -> pb.Caller:

@@ -7,6 +7,7 @@
     ├── SidecarUnreachable  the sidecar did not answer (socket gone, process dead, timeout)
     ├── SidecarRefused      the sidecar answered with an error status (code kept)
     ├── VersionMismatch     the sidecar runs another version than this controller
+    ├── SidecarMismatch     the sidecar that answers is not the one the box's record names (exit 3)
     ├── TransferError       a pull failed (bytes did not hash equal, stream broke)
     │   └── Unavailable     one claim its source cannot give (no durable copy, or one of other bytes)
     └── GateRefused         verify failed or down is not allowed (exit 3); carries the reasons
@@ -46,6 +47,14 @@ class SidecarRefused(ControllerError):
 
 class VersionMismatch(ControllerError):
     pass
+
+
+class SidecarMismatch(ControllerError):
+    """An answer came from another sidecar than the box's (controller.identity): nothing it said is
+    taken; the code is the gate's SIDECAR_MISMATCH."""
+
+    exit_code = EXIT_REFUSED
+    code = "SIDECAR_MISMATCH"
 
 
 class TransferError(ControllerError):

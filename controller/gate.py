@@ -29,6 +29,7 @@ from controller.client import SidecarClient
 from controller.errors import (
     ControllerError,
     Reason,
+    SidecarMismatch,
     SidecarRefused,
     SidecarUnreachable,
     StateError,
@@ -74,6 +75,7 @@ class Evidence:
     allow_empty: bool = False
     accepted_server_checksum: bool = False  # the user's --accept-server-checksum
     gone: GoneBox | None = None  # --box-gone: judged from the last claims list, the box is gone
+    accepted_lost: bool = False  # --accept-lost: what that list could not cover is lost with the box
 
 
 @dataclass
@@ -104,12 +106,24 @@ class Verdict:
         }
 
 
+SIDECAR_FAILURES = (
+    "SIDECAR_UNREACHABLE",
+    "VERSION_MISMATCH",
+    SidecarMismatch.code,
+    "SIDECAR_REFUSED",
+    "SIDECAR_ERROR",
+)
+"""Reasons that mean the box's side of the evidence was not had from its own sidecar."""
+
+
 def sidecar_reason(e: ControllerError) -> Reason:
     """The gate's code for a failure to get the box's side of the evidence, named for what it was."""
     if isinstance(e, SidecarUnreachable):
         return Reason("SIDECAR_UNREACHABLE", detail=str(e))
     if isinstance(e, VersionMismatch):
         return Reason("VERSION_MISMATCH", detail=str(e))
+    if isinstance(e, SidecarMismatch):
+        return Reason(SidecarMismatch.code, detail=str(e))
     if isinstance(e, SidecarRefused):
         return Reason("SIDECAR_REFUSED", detail=str(e))
     return Reason("SIDECAR_ERROR", detail=str(e))
@@ -200,11 +214,7 @@ async def gather_tree(
 def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bool) -> Verdict:
     reasons = list(early)
     checks: list[Check] = []
-    failed = [
-        r
-        for r in reasons
-        if r.code in ("SIDECAR_UNREACHABLE", "VERSION_MISMATCH", "SIDECAR_REFUSED", "SIDECAR_ERROR")
-    ]
+    failed = [r for r in reasons if r.code in SIDECAR_FAILURES]
     reachable = not failed
     gone = ev.gone
     live = reachable and gone is None  # the box's state asked now (else: the last list of a gone box)
@@ -217,12 +227,15 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             )
         )
     else:
+        proven = bool(gone.absence)
         checks.append(
             Check(
                 "box gone (--box-gone)",
-                reachable,
-                f"your word, and the sidecar does not answer ({gone.unreachable}); judged: durable bytes "
-                f"from the last claims list received at {gone.received_at}, not the box's live state",
+                reachable and proven,
+                f"your word, the sidecar does not answer ({gone.unreachable}) and "
+                + (gone.absence if proven else "nothing proves the box gone")
+                + f"; judged: durable bytes from the last claims list received at {gone.received_at}, "
+                "not the box's live state",
             )
         )
 
@@ -312,14 +325,23 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         )
         checks.append(Check("exclusions", True, excluded))
     elif gone is not None and reachable:
-        lost = (
-            f"{gone.pending} entries not covered by a claim (lost with the box)" if gone.pending else "none"
-        )
+        if not ev.accepted_lost:
+            for p in ev.pending:
+                reasons.append(
+                    Reason(
+                        "LOST_WITH_BOX",
+                        path=p.path,
+                        detail=f"not covered by a claim in the last list ({p.detail or 'being written'}): "
+                        "its bytes went with the box; `--accept-lost` says you accept that",
+                    )
+                )
+        lost = f"{gone.pending} entries not covered by a claim, lost with the box" if gone.pending else "none"
+        accepted = " (accepted: --accept-lost)" if gone.pending and ev.accepted_lost else ""
         checks.append(
             Check(
                 "the box's live state",
-                True,
-                f"not judged: its jobs and watched files went with it; in the last list: {lost}",
+                not gone.pending or ev.accepted_lost,
+                f"not judged: its jobs and watched files went with it; in the last list: {lost}{accepted}",
             )
         )
     if reachable:
@@ -406,6 +428,7 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
             for c in ev.claims
         ],
         "accepted_server_checksum": ev.accepted_server_checksum,
+        "accepted_lost": ev.accepted_lost,
         "box_gone": ev.gone.to_json() if ev.gone is not None else None,
         "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
         "strays": [[x.pid, x.cwd] for x in ev.strays],

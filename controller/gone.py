@@ -6,7 +6,11 @@ the gate judges what is left of it: the last claims list the controller received
 (`controller.lastlist`), and the tree a `pull --from durable` filled with every claim of exactly
 that list, verified. The verdict, the evidence document and the teardown's audit record say that
 durable bytes from the last claims list received at that time were judged, not the box's live
-state. A sidecar that answers is not gone: `--box-gone` then refuses (BOX_ANSWERS).
+state. A sidecar that answers is not gone: `--box-gone` then refuses (BOX_ANSWERS); neither is a box
+whose host answers while its sidecar is dead (SIDECAR_DEAD_HOST_UP, controller.absence): only the
+provider's word, or a host no link reaches, proves it gone. Entries that the last list could not
+cover (files being written then) are lost with the box: the gate names each (LOST_WITH_BOX) until
+the user accepts that (`--accept-lost`).
 
 At a real `down`, every claim's durable copy is read back here and hashed again before the meter
 stop, as the sidecar's release re-proves them on a box that answers; one missing or changed stops
@@ -20,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from controller import fromdurable, gate, meterstop, teardown
+from controller.absence import HOST_UP, Absence
 from controller.errors import ControllerError, GateRefused, Reason, StateError
 from controller.lastlist import DurablePull, GoneBox, LastList
 from controller.profiles import Profile
@@ -51,12 +56,15 @@ def with_hint(r: Reason, box: Box) -> Reason:
 
 
 async def gather(
-    state: State, box: Box, pulled: Path | None, unreachable: str
+    state: State, box: Box, pulled: Path | None, unreachable: str, absent: Absence
 ) -> tuple[gate.Evidence, list[Reason]]:
-    """The evidence of a gone box: its last claims list, the last pull of that list from durable
-    storage, and the pulled tree re-verified (see `gate.gather_tree`)."""
+    """The evidence of a gone box: that it is gone (`absent`: asked of the provider and the host,
+    controller.absence), its last claims list, the last pull of that list from durable storage, and
+    the pulled tree re-verified (see `gate.gather_tree`)."""
     ev = gate.Evidence(box=box.name, pulled_dir=str(pulled or ""))
     reasons: list[Reason] = []
+    if not absent.proven:
+        reasons.append(Reason(HOST_UP, detail=absent.how))
     try:
         last = fromdurable.last_list(state, box)
     except StateError as e:
@@ -75,6 +83,7 @@ async def gather(
         durable_pull=done.pulled_dir if done is not None and not problem else "",
         durable_pull_problem=problem,
         pending=len(last.listing.pending),
+        absence=absent.how if absent.proven else "",
     )
     await gate.gather_tree(ev, reasons, box, pulled, last.hello)
     return ev, reasons

@@ -86,6 +86,7 @@ class GoneBox:
     durable_pull: str  # the tree a `pull --from durable` of that list filled; "" if none did
     durable_pull_problem: str = ""  # why no such pull counts, when durable_pull is ""
     pending: int = 0  # entries not covered by a claim in that list (lost with the box)
+    absence: str = ""  # what proved the box gone (the provider, or no link reaching its host)
 
     @property
     def received_at(self) -> str:
@@ -100,6 +101,7 @@ class GoneBox:
             "durable_root": self.durable_root,
             "durable_pull": self.durable_pull,
             "pending_in_list": self.pending,
+            "absence": self.absence,
         }
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import lastlist
+from controller import identity, lastlist
 from controller.boxsource import pull
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector
@@ -50,6 +50,19 @@ def ssh_connector(
     return SshConnector(Destination(host, options, ssh_config), home=home, tag=name)
 
 
+async def end_link(box: Box) -> None:
+    """Close the box's ControlMaster, if one is up: the end of every `down`, whatever its outcome
+    (torn down, refused, interrupted), so that no login to a box outlives the command that judged it."""
+    from controller.ssh.connector import SshConnector
+
+    conn = connector_for(box)
+    try:
+        if isinstance(conn, SshConnector):
+            await conn.exit_master()
+    finally:
+        await conn.close()
+
+
 @asynccontextmanager
 async def link(box: Box) -> AsyncIterator[Connector]:
     conn = connector_for(box)
@@ -59,11 +72,16 @@ async def link(box: Box) -> AsyncIterator[Connector]:
         await conn.close()
 
 
+def client(box: Box, conn: Connector) -> SidecarClient:
+    """A client that takes answers only from the sidecar the box's record names (controller.identity)."""
+    return SidecarClient(conn=conn, expect=identity.of(box))
+
+
 @asynccontextmanager
 async def connect(box: Box) -> AsyncIterator[SidecarClient]:
     """A client of the box's sidecar; it rebuilds the link itself after a transport failure
     (`SidecarClient.reconnect`)."""
-    async with link(box) as conn, SidecarClient(conn=conn) as c:
+    async with link(box) as conn, client(box, conn) as c:
         yield c
 
 
@@ -71,7 +89,7 @@ async def pull_box(state: State, box: Box, to: Path, progress: Progress | None =
     """Pull the box's claims into `to` (see controller.pull); large ones come over the connector's
     command channel, the rest through the sidecar. The claims list is kept (controller.lastlist)."""
     check_path_text(to.resolve(), "the pull target")
-    async with link(box) as conn, SidecarClient(conn=conn) as c:
+    async with link(box) as conn, client(box, conn) as c:
         hello = await c.hello()
         listing = await c.list_artifacts()
         state.keep_last_list(lastlist.of(box, hello, listing))

@@ -121,12 +121,12 @@ def reasons(rs: Sequence[Reason]) -> None:
 
 def up_result(box: Box, res: UpResult) -> None:
     verb = "started" if res.started else "already running, left alone"
+    if res.restarted_for:
+        verb = "restarted to take " + "; ".join(res.restarted_for)
     info(
-        f"[green]{esc(box.name)}[/]: sidecar {esc(res.hello.version)} {verb} (pid {res.hello.pid}); "
-        f"watching {esc(', '.join(box.watch))} → {esc(box.durable)}"
+        f"[green]{esc(box.name)}[/]: sidecar {esc(res.hello.version)} {esc(verb)} (pid {res.hello.pid}); "
+        f"run {esc(box.run_id)}, watching {esc(', '.join(box.watch))} → {esc(box.durable)}"
     )
-    if res.note:
-        warn(res.note)
 
 
 def job_started(job: pb.Job) -> None:

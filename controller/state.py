@@ -102,6 +102,9 @@ class Box:
     # A `down --when-safe` follows the box (its pid, since when): it tears it down once safe.
     armed_pid: int = 0
     armed_at_ns: int = 0
+    # The start nonce of the sidecar `up` started or adopted (controller.identity): an answer from
+    # any other is refused. "": a record of an older version (the first answer's is taken).
+    sidecar_nonce: str = ""
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}

@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--config", required=True, type=Path, help="SidecarConfig JSON written by the controller"
     )
+    parser.add_argument(
+        "--nonce", default="", help="This start's token, chosen by `up` (Hello and every answer carry it)"
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     parser.add_argument("--version", action="version", version=f"boxwarden-sidecar {__version__}")
     args = parser.parse_args(argv)
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from sidecar import app  # grpc loads here, after the line above
 
     try:
-        settings = config.load(args.config)
+        settings = config.with_nonce(config.load(args.config), args.nonce)
         asyncio.run(app.run(settings, environ))
     except ConfigError as e:
         print(f"boxwarden-sidecar: {e}", file=sys.stderr)

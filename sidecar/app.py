@@ -24,7 +24,7 @@ from typing import IO
 import grpc
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
-from sidecar import __version__, children, mounts, resume
+from sidecar import __version__, children, mounts, resume, sockets, stamp
 from sidecar.backlog import AT_RISK_SHOWN, Backlog
 from sidecar.bell import Bell
 from sidecar.cellqueue import QueueRunner
@@ -44,6 +44,7 @@ from sidecar.probethread import ProbeThread
 from sidecar.queuerecord import CellEvidence, evidence_of
 from sidecar.release import Releaser
 from sidecar.retention import Retainer
+from sidecar.rpcstamp import Stamp
 from sidecar.sealer import Sealer
 from sidecar.server import Parts, SidecarService, start_refusal
 from sidecar.storage import open_store
@@ -207,14 +208,6 @@ async def jobs_in_the_way(
     return lines + [stray_line(x) for x in found]
 
 
-def _remove_stale_socket(path: Path) -> None:
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def _remove_own_pid(path: Path) -> None:
     """Remove the pid file if it still names this process: a sidecar still draining after its
     state dir was deleted and made again never takes away the pid file of the one started there
@@ -247,6 +240,10 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     # sharing one URL, and runs reusing a box name, never overwrite each other's copies, and
     # clean_tmp only ever touches this run's temp files.
     pace = Pace(s.push_rate)
+    nonce = s.nonce or stamp.new_nonce()
+    credentials_digest = stamp.credentials_digest(
+        nonce, s.durable_credentials.read_bytes() if s.durable_credentials is not None else None
+    )
     store = open_store(s.durable_url, (s.box_name, s.run_id), credentials=s.durable_credentials, pace=pace)
     store.bind_owner(ledger.ledger_id)
     leftovers = store.clean_tmp()
@@ -391,10 +388,11 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         logger.info("Prometheus metrics on http://127.0.0.1:%d/metrics", s.metrics_port)
 
     server = grpc.aio.server(
+        interceptors=[Stamp(stamp.value(s.box_name, s.run_id, nonce))],
         options=[
             ("grpc.max_send_message_length", MAX_MESSAGE),
             ("grpc.max_receive_message_length", MAX_MESSAGE),
-        ]
+        ],
     )
     parts = Parts(
         settings=s,
@@ -406,6 +404,8 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         health=health,
         journal=journal,
         started_at_ns=time.time_ns(),
+        nonce=nonce,
+        credentials_digest=credentials_digest,
         request_shutdown=stop.set,
         durable_root=store.url,
         backlog=backlog,
@@ -413,7 +413,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         queues=queues,
     )
     sidecar_pb2_grpc.add_SidecarServicer_to_server(SidecarService(parts), server)  # type: ignore[arg-type]
-    _remove_stale_socket(s.socket_path)
+    socket_lock = sockets.claim(s.socket_path, s.state_dir)  # held for the process's life
     old_umask = os.umask(0o177)
     try:
         server.add_insecure_port(f"unix:{s.socket_path}")
@@ -472,5 +472,5 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         scan_executor.shutdown(wait=True, cancel_futures=True)
         store.close()
         _remove_own_pid(s.pid_path)
-        _remove_stale_socket(s.socket_path)
+        sockets.release(s.socket_path, socket_lock)
         lock.close()

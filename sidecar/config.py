@@ -6,6 +6,7 @@ this module is the only place that reads it. Nothing here reads the environment.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import stat
@@ -20,6 +21,7 @@ from sidecar.errors import ConfigError
 from sidecar.keep import NO_RULES, KeepRules, parse_keep
 from sidecar.paths import DEFAULT_TEMP_PATTERNS
 from sidecar.progress import validate_patterns
+from sidecar.stamp import NONCE_RE, new_nonce
 from sidecar.storage import local_dir
 from sidecar.storage.pace import DEFAULT_RATE, MIN_RATE
 
@@ -57,6 +59,8 @@ class Settings:
     loss_regex: str = ""
     gpu_probe: str = "auto"  # "auto" | "none" | "replay:/abs/path.json"
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    nonce: str = ""  # this start's token (sidecar.stamp); "": one is made at start
+    source: pb.SidecarConfig | None = None  # the config as read (Hello shows it)
 
     @property
     def ledger_path(self) -> Path:
@@ -194,7 +198,15 @@ def from_message(msg: pb.SidecarConfig, *, source: str = "config") -> Settings:
         loss_regex=msg.loss_regex,
         gpu_probe=gpu,
         metrics_port=msg.metrics_port,
+        source=msg,
     )
+
+
+def with_nonce(s: Settings, nonce: str) -> Settings:
+    """`s` with this start's token (sidecar.stamp): the one given, checked, else a new one."""
+    if nonce and not NONCE_RE.match(nonce):
+        raise ConfigError(f"--nonce {nonce!r} must match {NONCE_RE.pattern}")
+    return dataclasses.replace(s, nonce=nonce or new_nonce())
 
 
 def credentials_problem(path: Path) -> str:

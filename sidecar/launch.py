@@ -8,8 +8,9 @@ on stdout between two marker lines (a login shell may print a banner first). Ver
   files in the way, pseudo-filesystems, the durable dir apart from every watched dir and the state
   dir) and answer their real paths, and those of the profile's tier mounts. Creates nothing.
 - `start`: create the watched and durable dirs, check the durable dir can be written and has inodes
-  to spare, write the sidecar's config (0600) and start the sidecar detached in its own session,
-  unless a sidecar already holds this state dir; answer its pid once its socket accepts connections.
+  to spare, write the sidecar's config (0600) and start the sidecar detached in its own session
+  (with the nonce the controller chose), unless a sidecar already holds this state dir; answer its
+  pid once that child, not another process, answers on the socket.
 - `gone`: whether the sidecar of a state dir has ended (its lock is free and its pid is dead).
 - `stop`: SIGTERM (then SIGKILL) the sidecar this state dir's lock names, for an `up` that failed.
 
@@ -24,7 +25,6 @@ import fcntl
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.mounts import unescape
+from sidecar.sockets import answers
 
 BEGIN = "@@boxwarden-launch-begin@@"
 END = "@@boxwarden-launch-end@@"
@@ -355,16 +356,12 @@ def tail(path: Path, lines: int = 15) -> str:
         return f"(cannot read {path}: {e.strerror})"
 
 
-def _answers(sock: Path) -> bool:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+def _own_pid(state_dir: Path) -> int:
+    """The pid the state dir's sidecar wrote once its socket was bound (0: none yet)."""
     try:
-        s.settimeout(1.0)
-        s.connect(str(sock))
-        return True
-    except OSError:
-        return False
-    finally:
-        s.close()
+        return int((state_dir / "sidecar.pid").read_text().strip())
+    except (OSError, ValueError):
+        return 0
 
 
 def start(req: Request) -> Request:
@@ -406,9 +403,12 @@ def start(req: Request) -> Request:
     _write_private(cfg_path, json.dumps(cfg, indent=2).encode())
     log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    argv = [sys.executable, "-m", "sidecar", "--config", str(cfg_path)]
+    if req.get("nonce"):
+        argv += ["--nonce", str(req["nonce"])]
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "--config", str(cfg_path)],
+            argv,
             stdin=subprocess.DEVNULL,
             stdout=log_fd,
             stderr=subprocess.STDOUT,
@@ -427,7 +427,9 @@ def start(req: Request) -> Request:
                 "error",
                 f"the sidecar exited with status {code} while starting; its log says:\n{tail(log_path)}",
             )
-        if _answers(sock):
+        # Its own child, not whatever answers there: the pid file names the sidecar that bound the
+        # socket (a sidecar of another box given the same path would answer too).
+        if _own_pid(state_dir) == proc.pid and answers(sock):
             return {"findings": findings, "started": proc.pid}
         time.sleep(0.05)
     _stop(proc.pid)

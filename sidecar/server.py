@@ -109,6 +109,8 @@ class Parts:
     health: HealthHub
     journal: Bell
     started_at_ns: int
+    nonce: str  # this start's token (sidecar.stamp)
+    credentials_digest: str  # HelloResponse.credentials_digest
     request_shutdown: Callable[[], None]
     durable_root: str
     backlog: Backlog
@@ -192,6 +194,9 @@ class SidecarService:
             temp_patterns=list(s.temp_patterns),
             exclude_patterns=list(s.exclude_patterns),
             durable_root=self._p.durable_root,
+            nonce=self._p.nonce,
+            config=s.source,
+            credentials_digest=self._p.credentials_digest,
         )
 
     def _snapshot(self) -> tuple[str, _Snapshot]:

@@ -279,6 +279,15 @@ class Bw:
     def artifacts(self, name: str) -> dict[str, Any]:
         return self.json("artifacts", name)
 
+    def record(self, name: str) -> dict[str, Any]:
+        """The box's record in the controller state, as `up` wrote it."""
+        db = sqlite3.connect(f"file:{self.home / 'state.db'}?mode=ro", uri=True)
+        try:
+            (row,) = db.execute("SELECT record FROM boxes WHERE name = ?", (name,)).fetchall()
+        finally:
+            db.close()
+        return dict(json.loads(row[0]))
+
     def wait_durable(
         self, name: str, count: int, timeout: float = 60, *, pending_ok: bool = False
     ) -> dict[str, Any]:

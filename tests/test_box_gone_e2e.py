@@ -5,6 +5,7 @@ pulled one, and `down --box-gone` closes the box only on that evidence, complete
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -15,8 +16,17 @@ from typing import Any
 import blake3
 
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
-from tests.controller.test_meter_stop import audit
+from tests.controller.test_meter_stop import audit, fake_profile, provider
 from tests.s3server import S3Server, write_credentials
+from tests.sshbox import free_port
+from tests.test_remote_e2e import (  # noqa: F401 - fixtures
+    Remote,
+    _control_paths,
+    remote,
+    venv_template,
+    wheel_cache,
+    write_as_box,
+)
 
 NAME = "gone1"
 CELLS = ("cell-a", "cell-b")
@@ -26,12 +36,26 @@ def codes(r: Any) -> set[str]:
     return {x["code"] for x in json.loads(r.stdout)["reasons"]}
 
 
-def kill_the_box(bw: Bw, watch: Path) -> None:
-    """The box is preempted: its sidecar dies at once and its disk goes with it."""
-    (pid,) = bw.sidecar_pids()
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not pid_alive(pid), what="the sidecar to be gone")
+def at_provider(bw: Bw, tmp_path: Path) -> tuple[str, ...]:
+    """`up`'s arguments for a box at the fake provider (tests/fake_provider.py), whose word can prove
+    it gone: a box on this machine is never gone by itself (its host answers)."""
+    provider(bw, tmp_path, "create", f"i-{NAME}")
+    return ("--profile-file", str(fake_profile(tmp_path)), "--instance-id", f"i-{NAME}")
+
+
+def up_at_provider(bw: Bw, tmp_path: Path, *extra: str) -> dict[str, Path]:
+    return bw.up(NAME, *at_provider(bw, tmp_path), *extra)
+
+
+def kill_the_box(bw: Bw, watch: Path, tmp_path: Path) -> None:
+    """The box is preempted: its sidecar dies at once, its disk goes with it, and the provider says
+    it is gone."""
+    for pid in bw.sidecar_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda pid=pid: not pid_alive(pid), what="the sidecar to be gone")
     shutil.rmtree(watch)
+    provider(bw, tmp_path, "vanish", f"i-{NAME}")
 
 
 def two_cells(watch: Path) -> dict[str, bytes]:
@@ -41,8 +65,8 @@ def two_cells(watch: Path) -> dict[str, bytes]:
     return {p.relative_to(watch).as_posix(): p.read_bytes() for p in sorted(watch.rglob("*")) if p.is_file()}
 
 
-def box_status(bw: Bw) -> str:
-    (row,) = bw.json("status", NAME)["boxes"]
+def box_status(bw: Bw, name: str = NAME) -> str:
+    (row,) = bw.json("status", name)["boxes"]
     return str(row["status"])
 
 
@@ -51,13 +75,22 @@ def test_a_gone_box_is_pulled_from_durable_and_closed_only_on_that_evidence_comp
 ) -> None:
     store = tmp_path / "store"
     roster = [a for c in CELLS for a in ("--roster", c)]
-    p = bw.up(NAME, "--durable", store.as_uri(), *roster)
+    p = up_at_provider(bw, tmp_path, "--durable", store.as_uri(), *roster)
     files = two_cells(p["watch"])
     bw.wait_durable(NAME, len(files))
     first = bw.cwd / "from-box"
     bw.ok("pull", NAME, "--to", str(first))  # the controller keeps the claims list it got
     bw.ok("verify", str(first))
-    kill_the_box(bw, p["watch"])
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar to be gone")
+    # The sidecar is dead, but nothing says the box is: its host (this machine) answers and the
+    # provider still lists it. Absence is proven, never inferred from a silent sidecar.
+    r = bw("down", NAME, "--dry-run", "--box-gone", "--json")
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    detail = next(x["detail"] for x in json.loads(r.stdout)["reasons"] if x["code"] == "SIDECAR_DEAD_HOST_UP")
+    assert f"boxwarden up {NAME}" in detail and "provider does not say it is gone" in detail
+    kill_the_box(bw, p["watch"], tmp_path)
 
     r = bw("down", NAME, "--confirm", NAME, "--json")  # a cut link looks the same: refused
     assert r.returncode == 3 and "SIDECAR_UNREACHABLE" in codes(r), r.stderr
@@ -78,6 +111,7 @@ def test_a_gone_box_is_pulled_from_durable_and_closed_only_on_that_evidence_comp
     doc = bw.json("down", NAME, "--dry-run", "--box-gone")
     assert doc["allowed"] is True and doc["reasons"] == []
     assert doc["box_gone"]["judged"].startswith("durable bytes from the last claims list received at")
+    assert doc["box_gone"]["absence"].startswith("the provider says it is gone")
     assert doc["box_gone"]["durable_pull"] == str(pulled)
     checks = {c["check"]: c for c in doc["checks"]}
     assert checks["pulled from durable storage"]["ok"] and "box gone (--box-gone)" in checks
@@ -107,10 +141,10 @@ def test_a_copy_missing_from_durable_storage_is_named_and_the_gone_box_stays_ref
     bw: Bw, tmp_path: Path
 ) -> None:
     store = tmp_path / "store"
-    p = bw.up(NAME, "--durable", store.as_uri())
+    p = up_at_provider(bw, tmp_path, "--durable", store.as_uri())
     files = two_cells(p["watch"])
     bw.wait_durable(NAME, len(files))  # `artifacts` kept the list: no pull from the box needed
-    kill_the_box(bw, p["watch"])
+    kill_the_box(bw, p["watch"], tmp_path)
     (p["durable"] / "cell-a" / "best.safetensors").unlink()
     pulled = bw.cwd / "from-durable"
     r = bw("pull", NAME, "--from", "durable", "--to", str(pulled))
@@ -146,11 +180,11 @@ def test_a_gone_box_with_a_bucket_is_pulled_from_s3(bw: Bw, s3: S3Server, tmp_pa
     bucket = s3.bucket()
     creds = write_credentials(tmp_path / "creds")
     watch = bw.cwd / "ckpt"
-    bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--durable",
+    bw.ok("up", NAME, *at_provider(bw, tmp_path), "--workdir", str(bw.cwd), "--watch", "ckpt", "--durable",
           s3.url(bucket, "runs"), "--durable-credentials", str(creds))  # fmt: skip
     files = two_cells(watch)
     claims = {c["path"]: c for c in bw.wait_durable(NAME, len(files))["claims"]}
-    kill_the_box(bw, watch)
+    kill_the_box(bw, watch, tmp_path)
     listed = s3.client().list_objects_v2(Bucket=bucket, Prefix=f"runs/{NAME}/")["Contents"]
     (run,) = {o["Key"].split("/")[2] for o in listed}
     # One copy overwritten in the bucket: it is never placed, and the pull says so.
@@ -172,3 +206,44 @@ def test_a_gone_box_with_a_bucket_is_pulled_from_s3(bw: Bw, s3: S3Server, tmp_pa
     r = bw("down", NAME, "--confirm", NAME, "--box-gone", "--json", "--durable-credentials", str(creds))
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["teardown"]["gone"] is True
+
+
+def test_a_remote_box_whose_host_answers_is_not_gone_until_no_link_reaches_it(
+    remote: Remote,  # noqa: F811
+) -> None:
+    """Finding 3 of issue 25: `down --box-gone` passed while the box answered over SSH, its
+    entries not covered by a claim were shown `ok`, and its ControlMaster stayed up."""
+    bw = remote.bw
+    box = remote.boxes("g1")
+    remote.provider("create", "i-g1", "--linger", "1")
+    first = remote.up(box, seeded=True)
+    write_as_box(box, "ckpt/a.bin", "weights")
+    assert box.run_as_box(["ln", "-s", "/etc/hostname", str(box.home / "ckpt" / "link")]).returncode == 0
+    bw.wait_durable("g1", 1, pending_ok=True)  # the list kept holds the link, which no claim covers
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="g1's sidecar gone")
+    pulled = bw.cwd / "from-durable"
+    bw.ok("pull", "g1", "--from", "durable", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+
+    r = bw("down", "g1", "--confirm", "g1", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    assert "g1 answers over SSH" in r.stdout and "boxwarden up g1" in r.stdout
+    for cm in _control_paths(bw):  # the `down` left no login to the box behind
+        assert not cm.exists(), cm
+    assert box_status(bw, "g1") == "up"  # nothing done, the meter untouched
+
+    # The box vanishes: nothing answers at its address any more.
+    closed = free_port()
+    text = box.config.read_text()
+    block = text.index("Host g1\n")
+    box.config.write_text(text[:block] + text[block:].replace(f"Port {box.port}\n", f"Port {closed}\n", 1))
+    r = bw("down", "g1", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and codes(r) == {"LOST_WITH_BOX"}, r.stdout
+    doc = json.loads(r.stdout)
+    assert [x["path"] for x in doc["reasons"]] == ["link"]
+    assert not {c["check"]: c for c in doc["checks"]}["the box's live state"]["ok"]  # never shown ok
+    doc = bw.json("down", "g1", "--confirm", "g1", "--box-gone", "--accept-lost")
+    assert doc["allowed"] is True and doc["teardown"]["gone"] is True
+    assert doc["box_gone"]["absence"].startswith("no link reaches g1")
+    assert box_status(bw, "g1") == "down"

@@ -484,7 +484,9 @@ def test_up_restarts_a_sidecar_of_another_version(remote: Remote) -> None:
     )
     assert box.run_as_box(["sh", "-c", script]).returncode == 0
     cfg = box.home / ".boxwarden" / "boxes" / box.alias / "sidecar.json"
-    older = box.spawn_as_box([f"{old}/bin/python", "-m", "sidecar", "--config", str(cfg)])
+    # The one `up` started, as far as its record knows (an older release that `up` started).
+    nonce = remote.bw.record(box.alias)["sidecar_nonce"]
+    older = box.spawn_as_box([f"{old}/bin/python", "-m", "sidecar", "--config", str(cfg), "--nonce", nonce])
     sock = json.loads(cfg.read_text())["socketPath"]
     wait_until(lambda: Path(sock).exists(), what="the old sidecar listening")
     again = remote.up(box)
@@ -569,7 +571,10 @@ def test_state_on_durable_keeps_ledger_and_venv_on_the_durable_tier(remote: Remo
     assert (persist / "boxes" / "sd1" / "sidecar" / "ledger.sqlite").exists()
     assert [v for v in (persist / "venvs").iterdir() if (v / ".complete").exists()]
     assert not (box.home / ".boxwarden" / "venvs").exists()  # nothing of it on the box's own disk
-    assert list((box.home / ".boxwarden" / "s").iterdir()) == [box.home / ".boxwarden" / "s" / "sd1.sock"]
+    # Named by a digest of the box's whole state path, never a cut of its name (two boxes never share
+    # one); its lock beside it.
+    (sock,) = (box.home / ".boxwarden" / "s").glob("*.sock")
+    assert re.fullmatch(r"[0-9a-f]{32}\.sock", sock.name) and sock.with_name(sock.name + ".lock").exists()
     again = remote.up(box)  # the box remembers where its state lives
     assert again["started"] is False and again["pid"] == first["pid"]
     r = remote.bw("up", "sd2", "--profile", "local", "--state-on-durable", "--watch", "ckpt")

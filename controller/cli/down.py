@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, fleetops, gone, pathtext, render, teardown
+from controller import boxes, fleetops, gone, pathtext, reach, render, teardown
 from controller.cli.options import durable_credentials_option, json_flag, open_state
 from controller.errors import EXIT_ERROR, GateRefused, Reason, UsageError
 from controller.gate import Verdict
@@ -72,6 +72,12 @@ from controller.state import Box, State, exclusive
     "list received from it and a `pull --from durable` of it instead of the box's live state.",
 )
 @click.option(
+    "--accept-lost",
+    is_flag=True,
+    help="With --box-gone: accept that the entries the last claims list could not cover (files being "
+    "written then) went with the box (recorded in the evidence).",
+)
+@click.option(
     "--when-safe",
     is_flag=True,
     help="With --confirm NAME: follow the box, pull and verify as its claims arrive, and tear it down "
@@ -103,6 +109,7 @@ def command(
     resend_stop: bool,
     accept_server_checksum: bool,
     box_gone: bool,
+    accept_lost: bool,
     durable_credentials: Path | None,
     when_safe: bool,
     pull_to: Path | None,
@@ -124,6 +131,7 @@ def command(
             "--meter-stopped": meter_stopped,
             "--resend-stop": resend_stop,
             "--box-gone": box_gone,
+            "--accept-lost": accept_lost,
             "--durable-credentials": durable_credentials is not None,
         }
         for what, present in given.items():
@@ -144,6 +152,8 @@ def command(
         raise UsageError(
             "--durable-credentials goes with --box-gone (a box that answers proves its own copies)"
         )
+    if accept_lost and not box_gone:
+        raise UsageError("--accept-lost goes with --box-gone (a box that answers has nothing lost to accept)")
     if resend_stop and box_gone:
         raise UsageError("--resend-stop continues an unfinished teardown; it does not go with --box-gone")
     opts = Opts(
@@ -155,6 +165,7 @@ def command(
         accept_server_checksum,
         box_gone,
         durable_credentials,
+        accept_lost,
     )
     state = open_state()
     box = state.get(name)
@@ -166,7 +177,12 @@ def command(
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
     busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
     with exclusive(state.box_lock(name), busy):
-        _down(state, state.get(name), opts, as_json)
+        try:
+            _down(state, state.get(name), opts, as_json)
+        finally:
+            # Whatever the outcome (torn down, refused, failed, interrupted): no login to the box
+            # outlives the `down` that judged it.
+            asyncio.run(reach.end_link(box))
 
 
 def _when_safe(
@@ -213,6 +229,7 @@ class Opts:
     accept_server_checksum: bool
     box_gone: bool
     durable_credentials: Path | None
+    accept_lost: bool = False
 
 
 def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
@@ -277,6 +294,7 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
                 state=state,
                 accept_server_checksum=o.accept_server_checksum,
                 box_gone=o.box_gone,
+                accept_lost=o.accept_lost,
             )
         )
 

@@ -52,10 +52,9 @@ from controller.state import exclusive
 )
 @click.option(
     "--workdir",
-    default=".",
-    show_default=True,
     metavar="DIR",
-    help="Jobs' working directory; relative --watch dirs are under it (a remote box: default its home).",
+    help="Jobs' working directory; relative --watch dirs are under it. Default: here (a remote box: its "
+    "home).",
 )
 @click.option(
     "--watch",
@@ -140,6 +139,13 @@ from controller.state import exclusive
     metavar="PRICE",
     help="What the box costs an hour: `watch` shows the cost of a box left idle.",
 )
+@click.option(
+    "--adopt",
+    is_flag=True,
+    help="Take over the sidecar that already runs this box (another controller started it, or this "
+    "one lost its state): its run, store, watched dirs and settings are taken from it. Without it, `up` "
+    "refuses a sidecar it did not start.",
+)
 @roster_option
 @json_flag
 def command(
@@ -151,7 +157,7 @@ def command(
     box_index: str | None,
     state_on_durable: bool,
     instance_id: str | None,
-    workdir: str,
+    workdir: str | None,
     watch: tuple[str, ...],
     durable: str | None,
     durable_credentials: Path | None,
@@ -166,6 +172,7 @@ def command(
     memory_high_percent: int | None,
     metrics_port: int | None,
     price_per_hour: float | None,
+    adopt: bool,
     as_json: bool,
 ) -> None:
     """Start the sidecar for box NAME (idempotent: a running sidecar of this version is left alone)."""
@@ -204,6 +211,7 @@ def command(
                     metrics_port=metrics_port,
                 ),
                 price_per_hour=price_per_hour,
+                adopt=adopt,
             )
         )
     if as_json:
@@ -212,7 +220,11 @@ def command(
                 "box": out.box.name,
                 "profile": out.profile.name,
                 "started": out.result.started,
+                "adopted": adopt,
+                "restarted_for": out.result.restarted_for,
                 "pid": out.result.hello.pid,
+                "run_id": out.box.run_id,
+                "durable": out.box.durable,
                 "checks": [f.to_json() for f in out.findings],
                 "danger_clocks": [c.__dict__ for c in out.profile.danger_clocks] if out.first_time else [],
             }

@@ -16,6 +16,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from controller import __version__
+from controller.identity import KEY
 from controller.state import Box, State
 from tests.conftest import Bw, save_weights, wait_until
 
@@ -43,10 +44,23 @@ def test_drain_usage(bw: Bw) -> None:
 
 
 class OldSidecar(sidecar_pb2_grpc.SidecarServicer):
-    """A sidecar from before Drain: it answers Hello; every call it does not know is UNIMPLEMENTED."""
+    """A sidecar from before Drain: it answers Hello (as box old1, run r1, with the state dir and
+    store of its record); every call it does not know is UNIMPLEMENTED."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
 
     def Hello(self, request: pb.HelloRequest, context: Any) -> pb.HelloResponse:
-        return pb.HelloResponse(version=__version__, pid=1)
+        context.send_initial_metadata(((KEY, "old1 r1 0123456789abcdef0123"),))
+        durable = (self.state_dir / "durable").as_uri()
+        return pb.HelloResponse(
+            version=__version__,
+            pid=1,
+            box_name="old1",
+            run_id="r1",
+            durable_url=durable,
+            state_dir=str(self.state_dir),
+        )
 
 
 @pytest.fixture
@@ -54,7 +68,7 @@ def old_sidecar(bw: Bw, tmp_path: Path) -> Iterator[str]:
     socket = tmp_path / "old.sock"
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     # The stubs call the base's methods abstract; at run time each answers UNIMPLEMENTED: the point.
-    sidecar_pb2_grpc.add_SidecarServicer_to_server(OldSidecar(), server)  # type: ignore[abstract]
+    sidecar_pb2_grpc.add_SidecarServicer_to_server(OldSidecar(tmp_path), server)  # type: ignore[abstract]
     server.add_insecure_port(f"unix:{socket}")
     server.start()
     state = State(bw.home)

@@ -546,6 +546,9 @@ class HelloResponse(_message.Message):
     TEMP_PATTERNS_FIELD_NUMBER: _builtins.int
     EXCLUDE_PATTERNS_FIELD_NUMBER: _builtins.int
     DURABLE_ROOT_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    CREDENTIALS_DIGEST_FIELD_NUMBER: _builtins.int
     version: _builtins.str
     """The sidecar's package version (PEP 440 string)."""
     box_name: _builtins.str
@@ -564,6 +567,17 @@ class HelloResponse(_message.Message):
     """Absolute path of the sidecar's state directory (ledger, logs)."""
     durable_root: _builtins.str
     """The URL of this run's own corner of the durable store: <durable_url>/<box_name>/<run_id>."""
+    nonce: _builtins.str
+    """A random token of this sidecar process, new at each start (the one `up` chose, else the
+    sidecar's own). Every answer of the sidecar carries it too, with the box name and run id, in
+    the initial metadata key IDENTITY_METADATA (see below): the controller records it at `up` and
+    refuses an answer from any other sidecar (SIDECAR_MISMATCH).
+    """
+    credentials_digest: _builtins.str
+    """Which credentials the sidecar read at its start, without showing them: blake3 of the nonce's
+    UTF-8 bytes, one NUL byte and the credentials file's bytes, lowercase hex; empty when it reads
+    none. `up --durable-credentials` computes the same over the new file to see whether it differs.
+    """
     @_builtins.property
     def watch_dirs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -572,6 +586,12 @@ class HelloResponse(_message.Message):
 
     @_builtins.property
     def exclude_patterns(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def config(self) -> Global___SidecarConfig:
+        """The configuration this sidecar runs with, as it read it (it holds no secret: the credentials
+        stay in their file). `up` compares it with what it asks for.
+        """
+
     def __init__(
         self,
         *,
@@ -590,10 +610,13 @@ class HelloResponse(_message.Message):
         temp_patterns: _abc.Iterable[_builtins.str] | None = ...,
         exclude_patterns: _abc.Iterable[_builtins.str] | None = ...,
         durable_root: _builtins.str = ...,
+        nonce: _builtins.str = ...,
+        config: Global___SidecarConfig | None = ...,
+        credentials_digest: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "box_name", b"box_name", "durable_root", b"durable_root", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hostname", b"hostname", "pid", b"pid", "profile", b"profile", "run_id", b"run_id", "started_at_unix_ns", b"started_at_unix_ns", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "version", b"version", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boot_id", b"boot_id", "box_name", b"box_name", "config", b"config", "credentials_digest", b"credentials_digest", "durable_root", b"durable_root", "durable_url", b"durable_url", "exclude_patterns", b"exclude_patterns", "hostname", b"hostname", "nonce", b"nonce", "pid", b"pid", "profile", b"profile", "run_id", b"run_id", "started_at_unix_ns", b"started_at_unix_ns", "state_dir", b"state_dir", "temp_patterns", b"temp_patterns", "version", b"version", "watch_dirs", b"watch_dirs", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -601,7 +624,12 @@ Global___HelloResponse: _TypeAlias = HelloResponse  # noqa: Y015
 
 @_typing.final
 class Claim(_message.Message):
-    """One claim: the sidecar's ledger row for a sealed artifact."""
+    """IDENTITY_METADATA: every answer (unary or stream, refusals included) starts with the initial
+    metadata key "bw-sidecar-identity" whose value is "<box_name> <run_id> <nonce>" (the three of
+    Hello, one space apart; none of them holds a space).
+
+    One claim: the sidecar's ledger row for a sealed artifact.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 

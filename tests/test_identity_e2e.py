@@ -1,0 +1,179 @@
+"""Issue 25: the controller knows who answers. Boxes over the real sshd on 127.0.0.1 (two box users,
+two controllers with their own state homes) and moto's real S3 server.
+
+- Two boxes on one host whose names share their first 50 characters each get a socket of their own
+  (never a cut of the name), each command talks to its own sidecar, and a killed sidecar makes its
+  box unreachable, never judged on the other's evidence (finding 1).
+- A sidecar that answers with another box's, run's or start's identity is refused
+  (SIDECAR_MISMATCH, exit 3), and `up` waits for the sidecar it started itself (finding 1).
+- A second controller does not adopt a sidecar it did not start, unless it says `--adopt`, which
+  takes the run and the store from the sidecar (finding 2).
+- `up --durable-credentials NEW` on a running box restarts its sidecar with them (finding 4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import Bw, pid_alive, wait_until
+from tests.s3server import S3Server, write_credentials
+from tests.sshbox import Box
+from tests.test_remote_e2e import (  # noqa: F401 - fixtures
+    Remote,
+    _exit_master,
+    remote,
+    venv_template,
+    wheel_cache,
+    write_as_box,
+)
+
+BASE = "ablation-sweep-lr3e-4-wd0.1-bs256-warmup500-seed42x"  # 50 characters
+C, D = BASE + "-node-0001", BASE + "-node-0002"  # 60 each: equal but for their last character
+
+
+def up_as(rem: Remote, box: Box, name: str, *extra: str, bw: Bw | None = None, code: int = 0) -> Any:
+    """`up NAME --host <box>`: a box name of its own on the box's host."""
+    r = (bw or rem.bw)(
+        "up", name, "--profile-file", str(rem.profile), "--host", box.alias,
+        "--instance-id", f"i-{name[-4:]}", *extra, "--json", timeout=300,
+    )  # fmt: skip
+    assert r.returncode == code, f"up {name} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout) if code == 0 else r
+
+
+def bucket_box(rem: Remote, s3: S3Server, name: str, creds: Path) -> tuple[Box, dict[str, Any]]:
+    """A remote box that pushes to a bucket of moto's with these credentials (its venv seeded)."""
+    box = rem.boxes(name)
+    url = s3.url(s3.bucket(), "ck")
+    return box, rem.up(box, "--durable", url, "--durable-credentials", str(creds), seeded=True)
+
+
+def codes(r: subprocess.CompletedProcess[str]) -> set[str]:
+    return {x["code"] for x in json.loads(r.stdout)["reasons"]}
+
+
+def test_two_boxes_whose_names_share_50_characters_each_talk_to_their_own_sidecar(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    box = remote.boxes("h1")
+    remote.profile.write_text(remote.profile.read_text().replace('path = "~"', 'path = "~/persist"'))
+    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist")]).returncode == 0
+    bw = remote.bw
+    # The first `up` installs the venv for real (on the durable tier): the second finds it.
+    first = {n: up_as(remote, box, n, "--watch", f"ckpt-{n[-1]}", "--state-on-durable") for n in (C, D)}
+    assert first[C]["pid"] != first[D]["pid"] and first[C]["started"] and first[D]["started"]
+    socks = sorted((box.home / ".boxwarden" / "s").glob("*.sock"))
+    assert len(socks) == 2  # one each, named by a digest of the box's whole state path
+
+    # A fan-out over both: each box's cell runs on its own sidecar.
+    cell = (
+        "import os, pathlib; p = pathlib.Path(os.environ['OUT']); p.parent.mkdir(); "
+        "p.write_text(os.environ['BOXWARDEN_CELL'])"
+    )
+    plan = tmp_path / "plan.toml"
+    text = f'name = "sw"\n[defaults]\ncommand = {json.dumps(["python3", "-c", cell])}\n\n'
+    for n in (C, D):
+        text += f'[[box]]\nname = "{n}"\nprofile_file = "{remote.profile}"\nhost = "h1"\n'
+        text += f'instance_id = "i-{n[-4:]}"\nwatch = ["ckpt-{n[-1]}"]\n\n'
+    for n in (C, D):
+        out = box.home / f"ckpt-{n[-1]}" / f"cell{n[-1]}" / f"from-{n[-1]}.txt"
+        text += f'[[cell]]\nname = "cell{n[-1]}"\nbox = "{n}"\nenv = {{ OUT = "{out}" }}\n\n'
+    plan.write_text(text)
+    doc = bw.json("fanout", "up", str(plan))
+    assert {b["box"]: b["cells"] for b in doc["boxes"]} == {C: ["cell1"], D: ["cell2"]}
+    for n in (C, D):
+        assert bw("queue", n, "sw", "--wait", "--timeout", "120", timeout=180).returncode == 0
+    for n in (C, D):
+        claims = bw.wait_durable(n, 1)["claims"]
+        assert [c["path"] for c in claims] == [f"cell{n[-1]}/from-{n[-1]}.txt"]  # its own only
+    rows = {r["box"]: r for r in bw.json("status")["boxes"]}
+    assert rows[C]["sidecar"]["pid"] == first[C]["pid"] and rows[D]["sidecar"]["pid"] == first[D]["pid"]
+
+    os.kill(first[C]["pid"], signal.SIGKILL)  # one sidecar dies: its box, and only its box, is unreachable
+    wait_until(lambda: not pid_alive(first[C]["pid"]), what="C's sidecar gone")
+    rows = {r["box"]: r for r in bw.json("status")["boxes"]}
+    assert rows[C]["unreachable"] is True and rows[D]["unreachable"] is False
+    r = bw("artifacts", C, "--json")
+    assert r.returncode != 0 and "from-2.txt" not in r.stdout + r.stderr
+    r = bw("down", C, "--confirm", C, "--dry-run", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_UNREACHABLE" in codes(r), r.stdout
+    assert json.loads(r.stdout)["manifest_digest"] == ""  # no other box's claims judged
+    assert pid_alive(first[D]["pid"])  # nothing was done to the other box
+    again = up_as(remote, box, C, "--watch", "ckpt-1")  # its record brings it back on its own socket
+    assert again["started"] is True and again["run_id"] == bw.record(C)["run_id"]
+    assert [c["path"] for c in bw.artifacts(C)["claims"]] == ["cell1/from-1.txt"]
+
+
+def test_an_answer_from_another_sidecar_is_refused_as_a_mismatch(bw: Bw, tmp_path: Path) -> None:
+    a = bw.up("ida")
+    bw.up("idb", watch="ckpt-b")
+    rec_a, rec_b = bw.record("ida"), bw.record("idb")
+    # Box ida's socket now leads to idb's sidecar (what two boxes sharing a socket did).
+    os.unlink(rec_a["socket"])
+    os.symlink(rec_b["socket"], rec_a["socket"])
+    for args in (("artifacts", "ida"), ("status", "ida"), ("pull", "ida", "--to", str(tmp_path / "p"))):
+        r = bw(*args, "--json")
+        assert "SIDECAR_MISMATCH" in r.stdout + r.stderr or "not the one of ida" in r.stdout + r.stderr, args
+        assert r.returncode != 0 or args[0] == "status", (args, r.stdout, r.stderr)
+    r = bw("down", "ida", "--confirm", "ida", "--json")
+    assert r.returncode == 3 and "SIDECAR_MISMATCH" in codes(r)
+    assert rec_b["sidecar_pid"] in bw.sidecar_pids() and pid_alive(rec_b["sidecar_pid"])  # idb untouched
+    assert (a["watch"]).exists()
+
+
+def test_up_refuses_a_sidecar_it_did_not_start_and_adopt_takes_its_run_and_store(
+    remote: Remote,  # noqa: F811
+    s3: S3Server,
+    tmp_path: Path,
+) -> None:
+    box, first = bucket_box(remote, s3, "ad1", write_credentials(tmp_path / "creds"))
+    run = remote.bw.record("ad1")["run_id"]
+    other = Bw(tmp_path / "home2", remote.bw.cwd)  # a second controller, its own state
+    other.env.update({k: remote.bw.env[k] for k in ("BOXWARDEN_SSH_CONFIG", "BOXWARDEN_WHEELHOUSE")})
+    try:
+        r = up_as(remote, box, "ad1", "--watch", "ckpt", bw=other, code=3)
+        assert "this controller did not start" in r.stderr and "--adopt" in r.stderr
+        assert "s3://" in r.stderr  # what the running sidecar really pushes to
+        assert other("status", "ad1").returncode != 0  # nothing recorded
+        r = up_as(remote, box, "ad1", "--adopt", "--watch", "ckpt", bw=other, code=2)
+        assert "leave out --watch" in r.stderr
+        doc = up_as(remote, box, "ad1", "--adopt", bw=other)
+        assert doc["started"] is False and doc["pid"] == first["pid"]
+        assert doc["run_id"] == run and doc["durable"].startswith("s3://")
+        rec = other.record("ad1")
+        assert rec["durable_credentials"] is True and rec["run_id"] == run  # its down forgets them
+        write_as_box(box, "ckpt/a.bin", "weights")
+        other.wait_durable("ad1", 1, timeout=60)
+        pulled = other.cwd / "pulled-adopted"
+        other.ok("pull", "ad1", "--to", str(pulled))
+        manifest = json.loads((pulled / "MANIFEST.json").read_text())
+        assert manifest["run_id"] == run  # never a run id that does not exist
+    finally:
+        _exit_master(other, box)
+
+
+def test_new_credentials_restart_a_running_sidecar_with_them(
+    remote: Remote,  # noqa: F811
+    s3: S3Server,
+    tmp_path: Path,
+) -> None:
+    old = write_credentials(tmp_path / "old")
+    box, first = bucket_box(remote, s3, "cr1", old)
+    on_box = box.home / ".boxwarden" / "boxes" / "cr1" / "sidecar" / "durable-credentials"
+    same = remote.up(box, "--durable-credentials", str(old))
+    assert same["started"] is False and same["pid"] == first["pid"]  # the same ones: left alone
+    new = tmp_path / "new"
+    new.write_text(old.read_text().replace("[default]", "[default]\n# rotated"))
+    new.chmod(0o600)
+    again = remote.up(box, "--durable-credentials", str(new))
+    assert again["started"] is True and again["pid"] != first["pid"]
+    assert any("credentials" in x for x in again["restarted_for"])
+    assert on_box.read_text() == new.read_text()
+    write_as_box(box, "ckpt/b.bin", "more")
+    remote.bw.wait_durable("cr1", 1, timeout=60)  # pushes go on with the new ones
