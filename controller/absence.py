@@ -19,7 +19,6 @@ from controller.profiles import Profile
 from controller.ssh import argv as sshargv
 from controller.state import Box
 
-HOST_UP = "SIDECAR_DEAD_HOST_UP"
 HOST_TIMEOUT_S = 40.0  # past ssh's own ConnectTimeout: a login that hangs after connecting answered
 ANSWERED = ("Permission denied", "Too many authentication failures", "Authentication failed")
 

@@ -106,6 +106,9 @@ class Verdict:
         }
 
 
+NOT_GONE = "SIDECAR_DEAD_HOST_UP"
+"""--box-gone, but neither the provider nor an unreachable host proves the box gone (controller.absence)."""
+
 SIDECAR_FAILURES = (
     "SIDECAR_UNREACHABLE",
     "VERSION_MISMATCH",
@@ -228,6 +231,8 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         )
     else:
         proven = bool(gone.absence)
+        if not proven:
+            reasons.append(Reason(NOT_GONE, detail=gone.presence or "nothing proves the box gone"))
         checks.append(
             Check(
                 "box gone (--box-gone)",

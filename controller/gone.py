@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from controller import fromdurable, gate, meterstop, teardown
-from controller.absence import HOST_UP, Absence
+from controller.absence import Absence
 from controller.errors import ControllerError, GateRefused, Reason, StateError
 from controller.lastlist import DurablePull, GoneBox, LastList
 from controller.profiles import Profile
@@ -63,8 +63,6 @@ async def gather(
     the pulled tree re-verified (see `gate.gather_tree`)."""
     ev = gate.Evidence(box=box.name, pulled_dir=str(pulled or ""))
     reasons: list[Reason] = []
-    if not absent.proven:
-        reasons.append(Reason(HOST_UP, detail=absent.how))
     try:
         last = fromdurable.last_list(state, box)
     except StateError as e:
@@ -84,6 +82,7 @@ async def gather(
         durable_pull_problem=problem,
         pending=len(last.listing.pending),
         absence=absent.how if absent.proven else "",
+        presence="" if absent.proven else absent.how,
     )
     await gate.gather_tree(ev, reasons, box, pulled, last.hello)
     return ev, reasons

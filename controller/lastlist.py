@@ -87,6 +87,7 @@ class GoneBox:
     durable_pull_problem: str = ""  # why no such pull counts, when durable_pull is ""
     pending: int = 0  # entries not covered by a claim in that list (lost with the box)
     absence: str = ""  # what proved the box gone (the provider, or no link reaching its host)
+    presence: str = ""  # when nothing did: why it may still be there (controller.absence)
 
     @property
     def received_at(self) -> str:

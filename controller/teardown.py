@@ -29,12 +29,13 @@ from pathlib import Path
 from controller import meterstop
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
-from controller.connector import Connector
+from controller.connector import Connector, launch
+from controller.durable import CREDENTIALS_NAME
 from controller.errors import ControllerError, GateRefused, Reason, SidecarRefused, SidecarUnreachable
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
-from controller.reach import connector_for
+from controller.reach import connector_for, link
 from controller.state import Box, State, Step
 
 RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_gone", "meter_stop"
@@ -324,7 +325,11 @@ async def retry_meter(
             # steps without a gate; an `argv` stop polls the provider first and sends nothing
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
-        meter = await meter_step(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+        try:
+            meter = await meter_step(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+        finally:
+            if seen_gone:  # an earlier teardown may have stopped before it forgot them
+                record["credentials"] = await forget_credentials(box)
         result.sidecar_gone = seen_gone or meter.gone
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
@@ -361,6 +366,21 @@ async def meter_step(
         if METER_STOP in state.teardown_steps(box.name):
             state.put(box.with_(status="meter-unproven"))
         raise
+
+
+async def forget_credentials(box: Box) -> str:
+    """Remove the store's credentials from a box whose sidecar is gone (a teardown interrupted
+    after the sidecar's stop left them there); what happened, for the audit. Never raises: a box
+    out of reach keeps them, and the audit says so."""
+    if not box.durable_credentials:
+        return ""
+    req = {"state_dir": box.state_dir, "pid": 0, "forget": f"{box.state_dir}/{CREDENTIALS_NAME}"}
+    try:
+        async with link(box) as conn:
+            answer = await launch(conn, "gone", req, timeout_s=30)
+    except ControllerError as e:
+        return f"not removed from the box: {e}"
+    return "removed from the box" if answer.get("gone") else "kept: a sidecar holds the box's state dir again"
 
 
 def record_of(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,22 @@ def test_new_credentials_restart_a_running_sidecar_with_them(
     assert on_box.read_text() == new.read_text()
     write_as_box(box, "ckpt/b.bin", "more")
     remote.bw.wait_durable("cr1", 1, timeout=60)  # pushes go on with the new ones
+
+
+def test_up_never_takes_a_socket_that_answers(bw: Bw) -> None:
+    """Something answers where the box's sidecar must listen (another box's sidecar, of a version
+    that holds no lock): the new sidecar does not start, and the other keeps its socket."""
+    sock_dir = bw.home / "boxes" / "sk1" / "sidecar"
+    sock_dir.mkdir(parents=True, mode=0o700)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(sock_dir / "sidecar.sock"))
+    other.listen(4)
+    try:
+        r = bw("up", "sk1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+        assert r.returncode == 1 and "answers on the socket" in r.stderr, r.stderr
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.connect(str(sock_dir / "sidecar.sock"))  # still the other's, still answering
+        probe.close()
+        assert bw("status", "sk1").returncode != 0  # nothing recorded
+    finally:
+        other.close()

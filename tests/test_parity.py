@@ -49,3 +49,19 @@ def test_the_push_rate_the_controller_assumes_is_the_sidecars() -> None:
     from sidecar.storage import pace
 
     assert (boxes.DEFAULT_PUSH_RATE, boxes.MIN_PUSH_RATE) == (pace.DEFAULT_RATE, pace.MIN_RATE)
+
+
+def test_the_identity_stamp_and_the_credentials_digest_are_read_as_the_sidecar_writes_them() -> None:
+    """IDENTITY_METADATA and HelloResponse.credentials_digest, each implemented once per side."""
+    from controller import identity
+    from sidecar import stamp
+
+    assert identity.KEY == stamp.KEY
+    nonce = identity.new_nonce()
+    assert stamp.NONCE_RE.match(nonce)  # the sidecar takes the nonces `up` makes
+    said = identity.Stamp.parse(stamp.value("box-1", "run:2", nonce))
+    assert said == identity.Stamp("box-1", "run:2", nonce)
+    data = b"[default]\naws_access_key_id = K\n"
+    assert identity.credentials_digest(nonce, data) == stamp.credentials_digest(nonce, data)
+    assert identity.credentials_digest(nonce, data) != identity.credentials_digest(nonce, data + b" ")
+    assert stamp.credentials_digest(nonce, None) == ""

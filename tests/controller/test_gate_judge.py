@@ -180,6 +180,7 @@ def gone_box(pulled: str = "/p", problem: str = "") -> GoneBox:
         durable_root="file:///store/b1/r1",
         durable_pull=pulled,
         durable_pull_problem=problem,
+        absence="the provider says it is gone (`show i-1` exit 1: not found)",
     )
 
 
@@ -197,6 +198,29 @@ def test_a_gone_box_is_judged_on_its_last_list_and_a_pull_of_it_from_durable() -
     assert judged == f"durable bytes from the last claims list received at {at} (not the box's live state)"
     assert evidence_document(ev, [])["box_gone"] == v.gone.to_json()
     assert judge(with_(ev, gone=None), [], confirm="b1", dry_run=False).evidence_digest != v.evidence_digest
+
+
+def test_a_gone_box_that_nothing_proves_gone_and_its_lost_entries_are_refused() -> None:
+    """Issue 25, finding 3: the user's word and a silent sidecar do not prove a box gone; what its
+    last list could not cover is never shown `ok`."""
+    up = replace(gone_box(), absence="", presence="sidecar dead, host up: h answers over SSH")
+    ev = with_(clean(), claims=durable_claims("reread"), gone=up)
+    v = judge(ev, [], confirm="b1", dry_run=False)
+    assert [r.code for r in v.reasons] == ["SIDECAR_DEAD_HOST_UP"] and "host up" in v.reasons[0].detail
+    assert not next(c for c in v.checks if c.name == "box gone (--box-gone)").ok
+    lost = pb.Pending(path="cell-a/link", state=pb.PENDING_UNCLAIMABLE, detail="a symlink")
+    ev = with_(clean(), claims=durable_claims("reread"), gone=replace(gone_box(), pending=1))
+    ev.pending = [lost]
+    v = judge(ev, [], confirm="b1", dry_run=False)
+    assert [(r.code, r.path) for r in v.reasons] == [("LOST_WITH_BOX", "cell-a/link")]
+    assert not next(c for c in v.checks if c.name == "the box's live state").ok
+    accepted = judge(with_(ev, accepted_lost=True), [], confirm="b1", dry_run=False)
+    assert accepted.allowed
+    assert (
+        "(accepted: --accept-lost)"
+        in next(c for c in accepted.checks if c.name == "the box's live state").detail
+    )
+    assert accepted.evidence_digest != v.evidence_digest
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
+from tests.s3server import S3Server, write_credentials
 
 NAME = "fk1"
 INSTANCE = "i-1"
@@ -263,3 +264,42 @@ def test_watch_shows_a_box_whose_teardown_is_unfinished(bw: Bw, tmp_path: Path) 
     assert r.returncode == 0, r.stderr
     out = r.stdout + r.stderr
     assert NAME in out and "meter-unproven" in out, out
+
+
+def test_a_continued_teardown_takes_the_stores_credentials_off_the_box(
+    bw: Bw, s3: S3Server, tmp_path: Path
+) -> None:
+    """Issue 25: credentials leave the box on every teardown path, a continued one too (the first
+    `down` was killed after the sidecar stopped, before it took them away)."""
+    creds = write_credentials(tmp_path / "creds")
+    url = s3.url(s3.bucket(), "runs")
+    bw.ok("up", NAME, "--profile-file", str(profile(tmp_path)), "--instance-id", INSTANCE, "--workdir",
+          str(bw.cwd), "--watch", "ckpt", "--durable", url, "--durable-credentials", str(creds))  # fmt: skip
+    save_weights(bw.cwd / "ckpt" / "cell-a" / "best.safetensors", seed=1)
+    bw.wait_durable(NAME, 1)
+    bw.ok("pull", NAME, "--to", str(bw.cwd / "pulled"))
+    bw.ok("verify", str(bw.cwd / "pulled"))
+    on_box = bw.home / "boxes" / NAME / "sidecar" / "durable-credentials"
+    kept = on_box.read_bytes()
+    prov = provider_dir(tmp_path)
+    (prov / "hang").touch()
+    proc = bw.spawn("down", NAME, "--confirm", NAME)
+    try:
+        wait_until(lambda: (prov / "stopper.pid").exists(), timeout=60, what="the stop command to run")
+        stopper = int((prov / "stopper.pid").read_text())
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    (prov / "hang").unlink()
+    wait_until(lambda: not pid_alive(stopper), timeout=30, what="the stop command to end")
+    # As a `down` killed between the sidecar's stop and the credentials' removal leaves the box.
+    on_box.write_bytes(kept)
+    on_box.chmod(0o600)
+    (prov / f"gone-{INSTANCE}").touch()
+    doc = bw.json("down", NAME, "--confirm", NAME)
+    assert doc["teardown"]["gone"] is True
+    assert not on_box.exists()
+    assert audit(bw)[-1]["credentials"] == "removed from the box"
