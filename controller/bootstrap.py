@@ -215,8 +215,8 @@ async def up(
                 f"about ({'; '.join(fixed)}); nothing was changed. Give `up` what it runs, or `down` "
                 f"{box.name} first"
             )
-        if running.version != __version__:
-            restarted_for = [f"version {running.version} running, {__version__} here", *restarted_for]
+        if running.version != __version__:  # what else differs is this version's config: all of it
+            restarted_for = [f"version {running.version} running, {__version__} here"]
         elif reconfigure and not restarted_for:
             restarted_for = ["health settings"]
         if not restarted_for:

@@ -21,7 +21,13 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 from boxwarden_pb.v1 import sidecar_pb2_grpc
 
 from controller import __version__
-from controller.errors import ControllerError, SidecarRefused, SidecarUnreachable, VersionMismatch
+from controller.errors import (
+    ControllerError,
+    SidecarMismatch,
+    SidecarRefused,
+    SidecarUnreachable,
+    VersionMismatch,
+)
 from controller.identity import KEY, Expected, Stamp, check_stamp, hello_differences, refusal
 
 logger = logging.getLogger(__name__)
@@ -154,7 +160,16 @@ class SidecarClient:
         """Take the answer only from the expected sidecar; the first nonce seen is kept from then on."""
         if self.expect is None:
             return
-        seen = check_stamp(self.expect, stamp, what)
+        try:
+            seen = check_stamp(self.expect, stamp, what)
+        except SidecarMismatch:
+            # `up` may have restarted (or adopted) the box's sidecar while this client followed it:
+            # the record says so, and it is the record that names the one to take answers from.
+            now = self.expect.reread()
+            if now is None:
+                raise
+            self.expect = now
+            seen = check_stamp(self.expect, stamp, what)
         if not self.expect.nonce:
             self.expect = dataclasses.replace(self.expect, nonce=seen.nonce)
 

@@ -15,7 +15,7 @@ from typing import Any
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 
-from controller.errors import SidecarUnreachable
+from controller.errors import SidecarMismatch, SidecarUnreachable
 from controller.reach import connect
 from controller.state import Box, State
 
@@ -53,11 +53,11 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                     on_event(rec)
                 if not follow:
                     return kept
-            except SidecarUnreachable as e:
+            except (SidecarUnreachable, SidecarMismatch) as e:
                 if not follow:
                     raise
                 logger.warning("%s: the link broke (%s); reconnecting", box.name, e)
-            while True:  # until the link is back; Ctrl-C ends it
+            while True:  # until the link is back (to the box's own sidecar); Ctrl-C ends it
                 try:
                     await c.reconnect()
                     await c.hello(timeout_s=5.0)
@@ -65,3 +65,5 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                     break
                 except SidecarUnreachable as e:
                     logger.info("%s: not yet (%s)", box.name, e)
+                except SidecarMismatch as e:  # until `up` records the sidecar it (re)started
+                    logger.warning("%s: %s", box.name, e)

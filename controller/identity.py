@@ -11,12 +11,13 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.errors import SidecarMismatch
-from controller.state import Box
+from controller.state import Box, State
 
 KEY = "bw-sidecar-identity"  # the sidecar's sidecar.stamp.KEY (tests/test_parity.py)
 
@@ -31,13 +32,28 @@ class Expected:
     state_dir: str
     host: str = ""
     nonce: str = ""  # "": not recorded; the first answer's is taken
+    home: str = ""  # the controller state the record lives in ("": none to read again)
 
     def where(self) -> str:
         return f"on {self.host}" if self.host else "on this machine"
 
+    def reread(self) -> Expected | None:
+        """The record as it is now, if `up` changed it since (it restarted or adopted the sidecar
+        while a long command followed the box); None if it did not."""
+        if not self.home:
+            return None
+        (box,) = State.peek(Path(self.home), [self.box]) or (None,)
+        if box is None or box.status == "down":
+            return None
+        now = of(box)
+        return (
+            now if (now.nonce, now.run_id, now.durable) != (self.nonce, self.run_id, self.durable) else None
+        )
+
 
 def of(box: Box) -> Expected:
-    return Expected(box.name, box.run_id, box.durable, box.state_dir, box.host, box.sidecar_nonce)
+    home = str(Path(box.box_dir).parent.parent) if box.box_dir else ""  # box_dir is <home>/boxes/<name>
+    return Expected(box.name, box.run_id, box.durable, box.state_dir, box.host, box.sidecar_nonce, home)
 
 
 @dataclass(frozen=True)

@@ -18,10 +18,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import Bw, pid_alive, wait_until
+from tests.conftest import Bw, pid_alive, save_weights, wait_until
 from tests.s3server import S3Server, write_credentials
 from tests.sshbox import Box
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
@@ -197,3 +198,40 @@ def test_up_never_takes_a_socket_that_answers(bw: Bw) -> None:
         assert bw("status", "sk1").returncode != 0  # nothing recorded
     finally:
         other.close()
+
+
+def test_a_follower_goes_on_with_the_sidecar_up_restarted(bw: Bw, tmp_path: Path) -> None:
+    """`events -f` takes answers only from the box's sidecar: after `up` restarted it (new health
+    settings, so a new start nonce), the record names the new one and the follower goes on."""
+    p = bw.up("fw1")
+    out = (tmp_path / "events.jsonl").open("w")
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "controller", "events", "fw1", "-f", "--json"],
+        cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        first = bw.record("fw1")["sidecar_pid"]
+        wait_until(lambda: "SIDECAR_STARTED" in (tmp_path / "events.jsonl").read_text(), what="the journal")
+        bw.ok(
+            "up",
+            "fw1",
+            "--profile",
+            "local",
+            "--workdir",
+            str(bw.cwd),
+            "--watch",
+            "ckpt",
+            "--stall-minutes",
+            "5",
+        )
+        assert bw.record("fw1")["sidecar_pid"] != first  # restarted: another start, another nonce
+        save_weights(p["watch"] / "cell-a" / "w.safetensors", seed=3)
+        wait_until(
+            lambda: "cell-a/w.safetensors" in (tmp_path / "events.jsonl").read_text(),
+            what="the new sidecar's events followed",
+        )
+        assert follower.poll() is None
+    finally:
+        follower.terminate()
+        follower.wait(timeout=30)
+        out.close()
