@@ -37,10 +37,11 @@ MARKER_SCHEMA = "boxwarden.verified/1"
 HASH_NAME = "blake3"
 
 PARTS_DIR = ".bw-parts"
-REPLACED_DIR = ".bw-replaced"
-"""Where pull moves bytes an earlier pull put at a path before newer ones take it: kept, never
-destroyed (the box may hold them nowhere any more). Not part of the tree `verify` checks."""
 """The directory at the tree's root where a pull keeps its partial files (removed when it ends)."""
+REPLACED_DIR = ".bw-replaced"
+"""Where pull moves bytes an earlier pull put at a path before newer ones take it, or put in the way
+of a path that changed kind: kept, never destroyed (the box may hold them nowhere any more). Not
+part of the tree `verify` checks (never EXTRA, never MISSING)."""
 
 # Names at the tree's root that belong to boxwarden, so no artifact may use them.
 RESERVED_NAMES = frozenset({MANIFEST_NAME, MARKER_NAME})

@@ -1,7 +1,7 @@
 """Where a pulled tree may lie: never overlapping what it is evidence about (the box's watched,
 state and durable directories), never on a pseudo-filesystem, never under a regular file; and
-whether each artifact path can be created in it as things are on disk (checked before a pull
-fetches its first byte).
+whether each artifact path fits this system's limits and a writable directory (checked before a
+pull fetches its first byte; what lies in a path's way is `controller.inway`'s).
 
 `overlap_problem` is shared by `pull` (refuses before writing anything) and the gate (refuses to
 judge a tree that overlaps what `down` would delete). Both sides are resolved the same way
@@ -261,14 +261,14 @@ def destination_problem(root: Path) -> str | None:
 
 
 def check_claim_paths(root: Path, paths: list[str]) -> None:
-    """Raise UsageError or TransferError (naming the path and the fix) for any artifact path that
-    cannot be created as a file under `root` as things are on disk now. Looks only."""
+    """Raise UsageError or TransferError (naming the path and the fix) for any artifact path too long
+    for this system or filesystem, or under a directory that is not writable. Looks only; what lies
+    in a path's way is judged under the tree's lock (`controller.inway`)."""
     try:
         name_max = os.pathconf(root if root.exists() else "/", "PC_NAME_MAX")
     except OSError:
         name_max = 255
     prefix = len(os.fsencode(root)) + 1
-    checked: set[Path] = set()
     writable: set[Path] = set()
     for path in paths:
         full = root / path
@@ -286,23 +286,6 @@ def check_claim_paths(root: Path, paths: list[str]) -> None:
                     f"filesystem's limit of {name_max}; rename it on the box, or pull onto a filesystem "
                     "that takes longer names"
                 )
-        here = root
-        for depth, part in enumerate(parts):
-            here = here / part
-            is_file = depth == len(parts) - 1
-            if here in checked:
-                continue
-            try:
-                st = here.lstat()
-            except FileNotFoundError:
-                break
-            except OSError as exc:
-                raise TransferError(f"{here}: cannot look at it: {exc.strerror or exc}") from exc
-            problem = _kind_problem(st.st_mode, is_file, path)
-            if problem:
-                raise TransferError(f"{here}: {problem}")
-            if not is_file:
-                checked.add(here)
         deepest = _deepest_dir(root, parts[:-1])
         if deepest not in writable:
             if deepest.exists() and not os.access(deepest, os.W_OK | os.X_OK):
@@ -311,18 +294,6 @@ def check_claim_paths(root: Path, paths: list[str]) -> None:
                     "fix its permissions or pull into another directory"
                 )
             writable.add(deepest)
-
-
-def _kind_problem(mode: int, is_file: bool, claim: str) -> str | None:
-    if stat.S_ISLNK(mode):
-        return "is a symlink; a pull never writes through or over one: remove it, or pull elsewhere"
-    if is_file and stat.S_ISDIR(mode):
-        return f"is a directory where the box has a file ({claim}): move it aside, or pull elsewhere"
-    if is_file and not stat.S_ISREG(mode):
-        return f"is not a regular file, and the box has a file there ({claim}): move it aside"
-    if not is_file and not stat.S_ISDIR(mode):
-        return f"is a file where the box has a directory ({claim}): move it aside, or pull elsewhere"
-    return None
 
 
 def _deepest_dir(root: Path, dirs: list[str]) -> Path:

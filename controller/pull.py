@@ -7,9 +7,10 @@ ReadArtifact stream, or the connector's command channel for large files), or the
 store read from this machine (`controller.fromdurable`, when the box is gone).
 
 Before the first byte is fetched, everything that can be checked is: the tree does not overlap the
-box's own directories (`overlap.py`), it can live where it is asked to, and every claim's path can
-be created (no file where a directory must go, no directory or symlink where a file must go, no name
-too long). The whole pull holds an exclusive lock on the tree's root directory.
+box's own directories (`overlap.py`), it can live where it is asked to, no claim's path is too long,
+and nothing lies in a claim's way but what an earlier pull of this box put there (`inway.py`; every
+path in the way that holds anything else is named at once). The whole pull holds an exclusive lock
+on the tree's root directory.
 
 Each file arrives in its part file, opened relative to directory fds and never through a symlink;
 an interrupted transfer resumes from the part file's size. It is renamed into place only when its
@@ -23,20 +24,20 @@ whose MANIFEST.json (or interrupted pull's record) belongs to another box or run
 claim's path whose bytes are neither the claim's nor ones an earlier pull of this box and run put
 there (recorded in its MANIFEST.json, or in `PARTS_DIR/placing.json`, written before a pull puts its
 first file in place and removed once MANIFEST.json records the tree). Bytes an earlier pull put at
-a path the box holds other bytes at now move to `REPLACED_DIR/<path>.<blake3>` before the new ones
-take the path (the box may hold the old ones nowhere any more). Nothing local is ever deleted except
-what lies in PARTS_DIR once every claim is in place: a file the box no longer claims stays and
-`verify` reports it EXTRA (or checks it, retired).
+a path the box holds other bytes at now, or in the way of a path that changed kind on the box (a
+file where its directory was, a directory where it was), move to `REPLACED_DIR/<path>.<blake3>`
+before the new ones take the path (the box may hold the old ones nowhere any more); directories
+they leave empty go. Nothing local is ever deleted except what lies in PARTS_DIR once every claim
+is in place: a file the box no longer claims stays and `verify` reports it EXTRA (or checks it,
+retired).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
-import stat
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.digest import digest_file
 from controller.errors import StateError, TransferError, Unavailable, UsageError
+from controller.inway import Entry, clear, open_dirs, survey
 from controller.manifest import (
     MANIFEST_NAME,
     PARTS_DIR,
@@ -63,7 +65,7 @@ from controller.manifest import (
     write_manifest,
 )
 from controller.overlap import check_claim_paths, destination_problem, overlap_problem, resolve_loose
-from controller.parts import DIR_FLAGS, PLACING_NAME, clear_parts, open_parts_dir, part_name
+from controller.parts import PLACING_NAME, clear_parts, open_parts_dir, part_name
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +110,8 @@ async def in_flight(items: Sequence[T], work: Callable[[T], Awaitable[None]], li
         raise failures[0]
 
 
-Entry = tuple[str, int, str]  # (path, bytes, blake3) of a file a pull put, or may have put, in place
-
 PLACING_SCHEMA = "boxwarden.placing/1"
 SHOWN = 5  # paths named in a message before "and N more"
-NAME_MAX = 255
 
 
 @dataclass
@@ -127,6 +126,8 @@ class PullReport:
     extra_local: list[str] = field(default_factory=list)  # files here no pull of this box put here
     retired: list[str] = field(default_factory=list)  # pulled earlier, no longer claimed, bytes kept
     replaced: list[str] = field(default_factory=list)  # pulled earlier, changed on the box since
+    # pulled earlier, in the way of a path that changed kind on the box (file <-> directory) since
+    displaced: list[str] = field(default_factory=list)
     resumed: dict[str, int] = field(default_factory=dict)  # path -> offset the transfer resumed from
     restarted: list[str] = field(default_factory=list)  # a copy that did not match, fetched again from 0
     unavailable: dict[str, str] = field(default_factory=dict)  # path -> why its source cannot give it
@@ -146,6 +147,7 @@ class PullReport:
             "extra_local": self.extra_local,
             "retired": self.retired,
             "replaced": self.replaced,
+            "displaced": self.displaced,
             "resumed": self.resumed,
             "restarted": self.restarted,
             "source": self.source,
@@ -242,12 +244,12 @@ async def _pull_locked(
     placing = _placing(root, manifest)
     earlier = _recorded(root, manifest)
     known = {(f.path, f.bytes, f.blake3) for f in earlier.values()} | placing
-    present, older = _survey(root, claims, manifest, known)
-    report.replaced = sorted(older)
+    way = survey(root, claims, manifest.instance, known)
+    report.replaced = way.older
     parts_fd = open_parts_dir(root, root_fd)
     try:
         claim_paths = {c.path for c in claims}
-        todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in present}
+        todo = {(c.path, c.size, c.blake3) for c in claims if c.path not in way.present}
         if todo:
             _write_placing(root, manifest, placing | todo)
         if progress:
@@ -255,7 +257,7 @@ async def _pull_locked(
 
         async def one(claim: pb.Claim) -> None:
             *dirs, name = claim.path.split("/")
-            if claim.path in present:
+            if claim.path in way.present:
                 report.skipped.append(claim.path)
                 if progress:
                     progress.update(claim.path, claim.size, claim.size)
@@ -268,10 +270,12 @@ async def _pull_locked(
                 return
             report.bytes_fetched += got
             # Everything below runs without an await: no other transfer comes between.
-            parent_fd = _open_parent(root, root_fd, dirs)
+            if claim.path in way.aside:
+                moved = clear(root, root_fd, way.aside[claim.path])
+                report.displaced += [p for p in moved if p != claim.path]
+            parent_fd = open_dirs(root, root_fd, dirs, create=True)
+            assert parent_fd is not None
             try:
-                if claim.path in older:
-                    _keep_replaced(root, root_fd, claim.path, parent_fd, older[claim.path])
                 try:
                     os.replace(part_name(claim), name, src_dir_fd=parts_fd, dst_dir_fd=parent_fd)
                     os.fsync(parent_fd)
@@ -287,6 +291,7 @@ async def _pull_locked(
         await in_flight(claims, one, IN_FLIGHT)
         report.fetched.sort()
         report.skipped.sort()
+        report.displaced.sort()
         if report.unavailable:
             raise _unavailable(root, report)
         extra = _extra_local(root, claim_paths)
@@ -340,25 +345,6 @@ def _remove_empty(created: list[Path]) -> None:
     for d in reversed(created):
         with contextlib.suppress(OSError):
             d.rmdir()
-
-
-def _open_parent(root: Path, root_fd: int, dirs: list[str]) -> int:
-    """An fd of the claim's parent directory, creating what is missing, never through a symlink."""
-    fd = os.dup(root_fd)
-    here = root
-    try:
-        for part in dirs:
-            here = here / part
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(part, 0o755, dir_fd=fd)
-            nxt = os.open(part, DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-    except OSError as exc:
-        os.close(fd)
-        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise TransferError(f"cannot create or open the directory {here}: {why}; move it aside") from exc
-    return fd
 
 
 def name_some(paths: Sequence[str], shown: int = SHOWN) -> str:
@@ -462,85 +448,6 @@ def _check_same_box(root: Path, what: str, instance: str, run_id: str, manifest:
         f"refusing to pull box {manifest.instance!r} (run {manifest.run_id}) into {root}: it holds {what} "
         f"box {instance!r} (run {run_id}); pull into an empty or new directory (--to)"
     )
-
-
-def _survey(
-    root: Path, claims: list[pb.Claim], manifest: Manifest, known: set[Entry]
-) -> tuple[set[str], dict[str, str]]:
-    """The paths of claims whose bytes are here already, and, with their digests, those whose bytes
-    here are older ones an earlier pull of this box put there (the box has other bytes at that path
-    since: they move to REPLACED_DIR). UsageError naming the files at claims' paths whose bytes are
-    neither the claim's nor `known`: a pull never touches those."""
-    sized = {(p, n) for p, n, _ in known}
-    present: set[str] = set()
-    older: dict[str, str] = {}
-    foreign: list[str] = []
-    for claim in claims:
-        full = root / claim.path
-        try:
-            st = full.lstat()
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            raise TransferError(f"{full}: cannot look at it: {exc.strerror or exc}") from exc
-        if not stat.S_ISREG(st.st_mode):
-            continue  # check_claim_paths refused anything else in a file's way
-        if st.st_size != claim.size and (claim.path, st.st_size) not in sized:
-            foreign.append(claim.path)
-            continue
-        digest = _local_digest(full)
-        if st.st_size == claim.size and digest == claim.blake3:
-            present.add(claim.path)
-        elif digest is None or (claim.path, st.st_size, digest) not in known:
-            foreign.append(claim.path)
-        else:
-            older[claim.path] = digest
-    if foreign:
-        raise UsageError(
-            f"refusing to pull: {len(foreign)} file(s) in {root} hold bytes that no pull of box "
-            f"{manifest.instance!r} put there, where the box has files: {name_some(sorted(foreign))}; "
-            "pull never replaces them: move them away, or pull into an empty or new directory (--to)"
-        )
-    return present, older
-
-
-def _keep_replaced(root: Path, root_fd: int, path: str, parent_fd: int, digest: str) -> None:
-    """Move the bytes an earlier pull put at `path` to `REPLACED_DIR/<path>.<digest>` before newer
-    ones take the path: whether the box still holds them anywhere (a durable copy, the attic) is not
-    known here, so a pull never destroys them. Bytes kept there before under that name are not
-    kept twice: the file here is removed only once both hash equal (it is hashed again here: it may
-    have been edited since the survey)."""
-    *dirs, name = path.split("/")
-    aside_fd = _open_parent(root, root_fd, [REPLACED_DIR, *dirs])
-    target = f"{name}.{digest}" if len(os.fsencode(name)) + 65 <= NAME_MAX else digest
-    where = root / REPLACED_DIR / Path(*dirs, target)
-    try:
-        try:
-            os.lstat(target, dir_fd=aside_fd)
-        except FileNotFoundError:
-            os.rename(name, target, src_dir_fd=parent_fd, dst_dir_fd=aside_fd)
-            os.fsync(aside_fd)
-            os.fsync(parent_fd)
-            return
-        if _local_digest(where) != digest or _local_digest(root / path) != digest:
-            raise TransferError(
-                f"{root / path} or {where} changed during the pull; move one of them away and run pull again"
-            )
-        os.unlink(name, dir_fd=parent_fd)  # its bytes are kept at `where`, just hashed
-    except OSError as exc:
-        raise TransferError(
-            f"{root / path}: cannot move the older bytes to {where}: {exc.strerror or exc}"
-        ) from exc
-    finally:
-        os.close(aside_fd)
-
-
-def _local_digest(path: Path) -> str | None:
-    try:
-        return digest_file(path).blake3
-    except OSError as exc:
-        logger.info("%s: could not be hashed (%s)", path, exc)
-        return None
 
 
 def _extra_local(root: Path, wanted: set[str]) -> list[str]:

@@ -487,6 +487,12 @@ def pull_report(rep: PullReport) -> None:
             "(the box changed them since; durable storage, too, keeps only the newest): "
             f"{_some(rep.replaced)}"
         )
+    if rep.displaced:
+        info(
+            f"moved {len(rep.displaced)} file(s) an earlier pull put here to .bw-replaced/<path>.<blake3>: "
+            "the box has a file where they had their directory now, or a directory where they were: "
+            f"{_some(rep.displaced)}"
+        )
     if rep.retired:
         info(
             f"kept {len(rep.retired)} file(s) an earlier pull put here that the box no longer claims "

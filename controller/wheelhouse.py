@@ -302,7 +302,14 @@ def _redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
 
 
-def _run_pip(args: list[str], p: BoxPlatform, index_url: str | None) -> None:
+def _run_pip(
+    args: list[str],
+    p: BoxPlatform,
+    index_url: str | None,
+    *,
+    what: str = "could not fetch the sidecar's wheels for the box",
+    fix: str = DOWNLOAD_FIX,
+) -> None:
     """Run this Python's pip; any failure becomes one ControllerError naming the platform and the fix."""
     if importlib.util.find_spec("pip") is None:
         raise ControllerError(
@@ -312,7 +319,7 @@ def _run_pip(args: list[str], p: BoxPlatform, index_url: str | None) -> None:
     env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
     if index_url:
         env["PIP_INDEX_URL"] = index_url  # never in argv: it may hold credentials
-    what = f"could not fetch the sidecar's wheels for the box ({p})"
+    what = f"{what} ({p})"
     logger.debug("pip %s", " ".join(args))
     try:
         proc = subprocess.run(
@@ -326,26 +333,42 @@ def _run_pip(args: list[str], p: BoxPlatform, index_url: str | None) -> None:
             timeout=PIP_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as e:
-        raise ControllerError(f"{what}: pip took over {PIP_TIMEOUT_S:.0f} s; {DOWNLOAD_FIX}") from e
+        raise ControllerError(f"{what}: pip took over {PIP_TIMEOUT_S:.0f} s; {fix}") from e
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-_TAIL_LINES:])
         if index_url:
             tail = tail.replace(index_url, _redact(index_url))
-        raise ControllerError(f"{what}: pip exited with status {proc.returncode}; {DOWNLOAD_FIX}.\n{tail}")
+        raise ControllerError(f"{what}: pip exited with status {proc.returncode}; {fix}.\n{tail}")
 
 
 def resolve(p: BoxPlatform, *, index_url: str | None = None, extras: tuple[str, ...] = ()) -> dict[str, str]:
     """The wheel file pip would choose for each distribution of the box's wheelhouse (by normalized
     name), from the index's metadata alone: no wheel is downloaded, nothing is cached."""
+    return {name: file for name, (_, file) in _chosen(p, [*_wanted(extras)], index_url=index_url).items()}
+
+
+def _chosen(
+    p: BoxPlatform, wanted: list[str], *, index_url: str | None = None, find_links: Path | None = None
+) -> dict[str, tuple[str, str]]:
+    """(version, wheel file) that pip would install on a box of platform `p` for each distribution
+    (by normalized name) of `wanted` and what it needs: from the index's metadata, or with
+    `find_links` from that directory alone (no index). Nothing is downloaded or installed."""
     with tempfile.TemporaryDirectory(prefix="boxwarden-resolve-") as tmp:
         report = Path(tmp) / "report.json"
         args = ["install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report)]
-        _run_pip([*args, *_target_args(p), *_wanted(extras)], p, index_url)
+        if find_links is None:
+            _run_pip([*args, *_target_args(p), *wanted], p, index_url)
+        else:
+            args += ["--no-index", "--find-links", str(find_links)]
+            what = f"the wheelhouse {find_links} does not hold all that the sidecar needs"
+            fix = f"remove {find_links} and run up again"
+            _run_pip([*args, *_target_args(p), *wanted], p, None, what=what, fix=fix)
         chosen = json.loads(report.read_text())["install"]
-    found: dict[str, str] = {}
+    found: dict[str, tuple[str, str]] = {}
     for item in chosen:
         name = re.sub(r"[-_.]+", "-", item["metadata"]["name"]).lower()
-        found[name] = PurePosixPath(urlsplit(item["download_info"]["url"]).path).name
+        file = PurePosixPath(urlsplit(item["download_info"]["url"]).path).name
+        found[name] = (str(item["metadata"]["version"]), file)
     return found
 
 
@@ -488,3 +511,64 @@ def build(
     say(f"wheelhouse ready: {len(house.wheels)} wheels, {size / 1e6:.1f} MB, in {house.dir}")
     logger.info("wheelhouse %s: %s", house.dir, ", ".join(house.wheels))
     return house
+
+
+# --- what a box installs, pinned by hash -----------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file, hex: the digest pip's --require-hashes takes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sidecar_spec(extras: tuple[str, ...]) -> str:
+    """The sidecar as pip names it, with `extras`, at this controller's version."""
+    return f"{SIDECAR_DIST}{'[' + ','.join(extras) + ']' if extras else ''}=={__version__}"
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What a box may install from a wheelhouse, by digests this controller computed: each file
+    sent (name -> sha256), and the requirements pip installs them by with --require-hashes."""
+
+    files: dict[str, str]
+    requirements: str
+
+
+def pin_alone(wheel: Path) -> Pinned:
+    """One wheel, hashed now, for a box whose pip resolves the rest from its own index (no pins)."""
+    return Pinned(files={wheel.name: sha256_file(wheel)}, requirements="")
+
+
+def pin(house: Wheelhouse, platform: BoxPlatform, extras: tuple[str, ...] = ()) -> Pinned:
+    """Hash every wheel of `house` now and pin exactly the sidecar's closure (pip's own wheel, run
+    from the wheelhouse, is sent and checked too, but not installed). ControllerError for a sidecar
+    wheel other than the one this controller builds from its sources, or a wheel the closure does
+    not take (a shared $BOXWARDEN_WHEELHOUSE that someone added to): nothing is sent then."""
+    name, data = _sidecar_wheel_bytes()
+    files = {w: sha256_file(house.dir / w) for w in house.wheels}
+    if files.get(name) != hashlib.sha256(data).hexdigest():
+        raise ControllerError(
+            f"the wheelhouse {house.dir} holds a sidecar wheel other than the one this controller builds "
+            f"from its own sources ({name}): remove {house.dir} and run up again"
+        )
+    spec = sidecar_spec(extras)
+    chosen = _chosen(platform, [spec, *EXTRA_DOWNLOADS], find_links=house.dir)
+    extra = sorted(set(files) - {file for _, file in chosen.values()})
+    if extra:
+        raise ControllerError(
+            f"the wheelhouse {house.dir} holds wheels that the sidecar and its dependencies do not need: "
+            f"{', '.join(extra)}; a box installs only what this controller can account for: remove "
+            f"{house.dir} (or those files) and run up again"
+        )
+    lines = []
+    for dist, (version, file) in sorted(chosen.items()):
+        if dist in EXTRA_DOWNLOADS:
+            continue
+        what = spec if dist == SIDECAR_DIST else f"{dist}=={version}"
+        lines.append(f"{what} --hash=sha256:{files[file]}\n")
+    return Pinned(files=files, requirements="".join(lines))

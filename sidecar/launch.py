@@ -20,6 +20,7 @@ can fix (the CLI exits 2), "error" a box that cannot take the sidecar (exit 1). 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -336,9 +337,20 @@ def holder(state_dir: Path) -> int | None:
         os.close(fd)
 
 
+def _private_dir(d: Path) -> None:
+    """Create `d` and each missing directory above it 0700 (mkdir's own mode covers only the last)."""
+    missing = []
+    while not os.path.lexists(d) and d != d.parent:
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            m.mkdir(mode=0o700)
+
+
 def _write_private(path: Path, data: bytes) -> None:
     """Write `path` 0600 atomically (the config names the box's paths; nothing secret, but ours)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _private_dir(path.parent)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
@@ -394,14 +406,13 @@ def start(req: Request) -> Request:
     log_path = Path(req["log_path"])
     creds = cfg.get("durableCredentialsFile")
     if creds and "durable_credentials" in req:
-        Path(creds).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         _write_private(Path(creds), str(req["durable_credentials"]).encode())
     elif creds and not os.path.lexists(creds):
         raise usage(
             f"the durable store's credentials are gone from {creds}; give --durable-credentials FILE again"
         )
     _write_private(cfg_path, json.dumps(cfg, indent=2).encode())
-    log_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    _private_dir(log_path.parent)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     argv = [sys.executable, "-m", "sidecar", "--config", str(cfg_path)]
     if req.get("nonce"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import configparser
 import csv
+import dataclasses
 import hashlib
 import io
 import json
@@ -44,6 +45,7 @@ from controller.wheelhouse import (
     build,
     cache_key,
     default_cache_root,
+    pin,
     pip_platforms,
     resolve,
     sidecar_wheel,
@@ -308,7 +310,46 @@ def test_a_failed_download_is_one_error_naming_the_platform_and_the_fix(
 
 
 # Installing a wheelhouse on a box (a venv without pip, pip run from its wheel) is tested end to end
-# over a real sshd in tests/test_remote_e2e.py.
+# over a real sshd in tests/test_remote_e2e.py, and by hash in tests/test_box_trust_e2e.py.
+
+
+def test_a_box_installs_the_closure_pinned_to_the_digests_computed_here(
+    house: Wheelhouse, local: BoxPlatform, offline: None
+) -> None:
+    pinned = pin(house, local, ())
+    assert pinned.files == {w: hashlib.sha256((house.dir / w).read_bytes()).hexdigest() for w in house.wheels}
+    lines = pinned.requirements.splitlines()
+    assert len(lines) == len(house.wheels) - 1, "every wheel but pip's own (run, not installed)"
+    by_name = {canonicalize_name(line.split("==")[0]): line for line in lines}
+    assert by_name["boxwarden-sidecar"].startswith(f"boxwarden-sidecar=={__version__} --hash=sha256:")
+    for wheel in house.wheels:
+        name, version, *_ = parse_wheel_filename(wheel)
+        if name != "pip":
+            assert by_name[name] == f"{name}=={version} --hash=sha256:{pinned.files[wheel]}"
+
+
+def _copy(house: Wheelhouse, where: Path) -> Wheelhouse:
+    shutil.copytree(house.dir, where)
+    return dataclasses.replace(house, dir=where)
+
+
+def test_a_wheelhouse_someone_added_to_is_refused_naming_the_wheel(
+    house: Wheelhouse, local: BoxPlatform, tmp_path: Path, offline: None
+) -> None:
+    shared = _copy(house, tmp_path / "shared")
+    (shared.dir / "evil-1.0-py3-none-any.whl").write_bytes(b"not what anyone asked for")
+    shared = dataclasses.replace(shared, wheels=(*shared.wheels, "evil-1.0-py3-none-any.whl"))
+    with pytest.raises(ControllerError, match=r"do not need: evil-1\.0-py3-none-any\.whl.*remove"):
+        pin(shared, local, ())
+
+
+def test_a_sidecar_wheel_other_than_this_controller_builds_is_refused(
+    house: Wheelhouse, local: BoxPlatform, tmp_path: Path, offline: None
+) -> None:
+    shared = _copy(house, tmp_path / "shared")
+    (shared.dir / house.sidecar_wheel).write_bytes(b"a sidecar of someone else's")
+    with pytest.raises(ControllerError, match="other than the one this controller builds"):
+        pin(shared, local, ())
 
 
 # --- the closure resolves for every supported box ------------------------------------------------
