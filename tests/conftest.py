@@ -64,6 +64,8 @@ SLOW_FIRST = (
     "tests/test_train_tiny.py",
     "tests/test_tree_invariant.py",
     "tests/test_remote_e2e.py",
+    "tests/test_identity_e2e.py",
+    "tests/test_box_trust_e2e.py",
     "tests/controller/test_teardown_resume.py",
     "tests/test_gate_reasons.py",
     "tests/test_review12_e2e.py",

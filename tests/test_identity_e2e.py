@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controller.bootstrap import socket_path_for
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
 from tests.s3server import S3Server, write_credentials
 from tests.sshbox import Box
@@ -184,16 +185,16 @@ def test_new_credentials_restart_a_running_sidecar_with_them(
 def test_up_never_takes_a_socket_that_answers(bw: Bw) -> None:
     """Something answers where the box's sidecar must listen (another box's sidecar, of a version
     that holds no lock): the new sidecar does not start, and the other keeps its socket."""
-    sock_dir = bw.home / "boxes" / "sk1" / "sidecar"
-    sock_dir.mkdir(parents=True, mode=0o700)
+    path = socket_path_for(bw.home / "boxes" / "sk1")  # where `up` will put it
+    path.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
     other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    other.bind(str(sock_dir / "sidecar.sock"))
+    other.bind(str(path))
     other.listen(4)
     try:
         r = bw("up", "sk1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
         assert r.returncode == 1 and "answers on the socket" in r.stderr, r.stderr
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.connect(str(sock_dir / "sidecar.sock"))  # still the other's, still answering
+        probe.connect(str(path))  # still the other's, still answering
         probe.close()
         assert bw("status", "sk1").returncode != 0  # nothing recorded
     finally:

@@ -487,8 +487,9 @@ def test_up_restarts_a_sidecar_of_another_version(remote: Remote) -> None:
     # The one `up` started, as far as its record knows (an older release that `up` started).
     nonce = remote.bw.record(box.alias)["sidecar_nonce"]
     older = box.spawn_as_box([f"{old}/bin/python", "-m", "sidecar", "--config", str(cfg), "--nonce", nonce])
-    sock = json.loads(cfg.read_text())["socketPath"]
-    wait_until(lambda: Path(sock).exists(), what="the old sidecar listening")
+    # Its pid file is written once it listens (the killed one's socket file is still there).
+    pid_file = box.home / ".boxwarden" / "boxes" / box.alias / "sidecar" / "sidecar.pid"
+    wait_until(lambda: pid_file.read_text().strip() != str(first["pid"]), what="the old sidecar listening")
     again = remote.up(box)
     assert again["started"] is True and again["pid"] != older.pid
     assert older.wait(timeout=30) == 0  # it was shut down in order, not killed
