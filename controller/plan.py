@@ -18,7 +18,7 @@ The file::
     instance_id = "abc123"       # optional; what the profile's meter stop needs
     watch = ["ckpt"]             # optional (default ["ckpt"]); relative: under workdir
     workdir = "/workspace"       # optional
-    ssh_options = ["Port=2222"]  # optional
+    ssh_options = ["Port=2222"]  # optional; one that runs code (ProxyCommand...) only with --trust-plan
     price_per_hour = 1.2         # optional, for the cost of an idle box
 
     [[cell]]                     # as in a queue file, plus:
@@ -42,6 +42,7 @@ from typing import Any
 from controller import boxes, profiles
 from controller.cellsfile import MAX_FILE_BYTES, CellsFile, QueuedCellSpec, Table, cells_of, header_lines
 from controller.errors import UsageError
+from controller.ssh import argv as sshargv
 from controller.tomlfields import read_text
 
 ANY = "any"
@@ -84,10 +85,15 @@ class Plan:
         return out
 
 
-def load_plan(path: Path, *, known_profiles: Collection[str] | None = None) -> Plan:
+def load_plan(path: Path, *, trusted: bool = False, known_profiles: Collection[str] | None = None) -> Plan:
     text = read_text(path, what="the plan", option="fanout", max_bytes=MAX_FILE_BYTES)
     return parse_plan(
-        text, file=str(path), default_name=path.stem, base=path.parent, known_profiles=known_profiles
+        text,
+        file=str(path),
+        default_name=path.stem,
+        base=path.parent,
+        trusted=trusted,
+        known_profiles=known_profiles,
     )
 
 
@@ -97,9 +103,11 @@ def parse_plan(
     file: str,
     default_name: str,
     base: Path,
+    trusted: bool = False,
     known_profiles: Collection[str] | None = None,
 ) -> Plan:
-    """Validate a plan's text. `base`: what a relative profile_file is relative to;
+    """Validate a plan's text. `base`: what a relative profile_file is relative to; `trusted`: the
+    user passed --trust-plan (ssh options that run code are taken: controller.ssh.argv.RUNS_CODE);
     `known_profiles`: the shipped profiles' names (default: the installed ones)."""
     try:
         data = tomllib.loads(text)
@@ -109,7 +117,7 @@ def parse_plan(
     queue = cells_of(top, text, file=file, default_name=default_name, plan=True)
     durable = top.text("durable", required=False, default="") or None
     known = set(profiles.available() if known_profiles is None else known_profiles)
-    plan_boxes = _boxes(top, text, file, base, known)
+    plan_boxes = _boxes(top, text, file, base, known, trusted)
     names = {b.name for b in plan_boxes}
     folded: dict[str, QueuedCellSpec] = {}
     for c in queue.cells:
@@ -135,7 +143,9 @@ def parse_plan(
     return Plan(queue.name, plan_boxes, queue, durable, roster)
 
 
-def _boxes(top: Table, text: str, file: str, base: Path, known: set[str]) -> tuple[PlanBox, ...]:
+def _boxes(
+    top: Table, text: str, file: str, base: Path, known: set[str], trusted: bool
+) -> tuple[PlanBox, ...]:
     rows = top.rows("box")
     if len(rows) > MAX_BOXES:
         raise top.fail("box", f"{len(rows)} boxes; a plan holds at most {MAX_BOXES}")
@@ -182,12 +192,32 @@ def _boxes(top: Table, text: str, file: str, base: Path, known: set[str]) -> tup
                 instance_id=t.text("instance_id", required=False, default=""),
                 watch=watch,
                 workdir=t.text("workdir", required=False, default=""),
-                ssh_options=t.text_list("ssh_options"),
+                ssh_options=_ssh_options(t, text, trusted),
                 price_per_hour=price,
                 line=line,
             )
         )
         t.done()
+    return tuple(out)
+
+
+def _ssh_options(t: Table, text: str, trusted: bool) -> tuple[str, ...]:
+    """The box's ssh options, each checked where it is written (its line, found by its key in the
+    box's table; else the table's header line)."""
+    lines = text.split("\n")
+    out = []
+    for option in t.text_list("ssh_options"):
+        at = t.line
+        key = option.partition("=")[0].strip().lower()
+        for n in range(t.line or len(lines), len(lines)):  # t.line: the header's, counted from 1
+            if lines[n].lstrip().startswith("["):
+                break
+            if key and key in lines[n].lower():
+                at = n + 1
+                break
+        where = f"{t.file}:{at}" if at else t.file
+        where += f": [[box]] {t.cell} ({t.name!r})"
+        out.append(sshargv.check_plan_option(option, where, trusted=trusted))
     return tuple(out)
 
 

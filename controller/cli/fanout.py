@@ -22,10 +22,16 @@ def command() -> None:
 @click.option(
     "--yes", is_flag=True, help="Apply a plan that differs from the one last applied without asking."
 )
+@click.option(
+    "--trust-plan",
+    is_flag=True,
+    help="Take the plan's ssh options that run or load code on this machine (ProxyCommand, "
+    "LocalCommand, ...): only for a plan you read and trust.",
+)
 @json_flag
-def up(plan_file: Path, yes: bool, as_json: bool) -> None:
+def up(plan_file: Path, yes: bool, trust_plan: bool, as_json: bool) -> None:
     """Bring up every box of PLAN at once and queue each box's cells on it (again: idempotent)."""
-    p = plan.load_plan(plan_file)
+    p = plan.load_plan(plan_file, trusted=trust_plan)
     state = open_state()
 
     def confirm(changes: list[str]) -> bool:
