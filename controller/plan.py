@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,18 +71,36 @@ class Plan:
     durable: str | None
     roster: tuple[str, ...]
 
-    def assignment(self) -> dict[str, list[QueuedCellSpec]]:
-        """Box name -> its cells, in plan order: a cell's own box, else ("any") the box with the
-        fewest cells so far (the first such in plan order). The same plan always gives the same."""
+    def assignment(
+        self, previous: Mapping[str, str] | None = None, takes_new: Collection[str] | None = None
+    ) -> dict[str, list[QueuedCellSpec]]:
+        """Box name -> its cells, in plan order, matched by name, never by position: a cell's own
+        box; else the box `previous` (cell -> box, as last applied) gave it, if that box is still in
+        the plan; else ("any", and new) the box with the fewest cells so far among `takes_new` (default:
+        every box; the first such in plan order). The same plan and `previous` always give the same.
+        A new cell that no box takes is left out: `unplaced` names it."""
         out: dict[str, list[QueuedCellSpec]] = {b.name: [] for b in self.boxes}
+        spread: list[QueuedCellSpec] = []
         for c in self.queue.cells:
+            kept = (previous or {}).get(c.name, "")
             if c.box and c.box != ANY:
                 out[c.box].append(c)
-        for c in self.queue.cells:
-            if not c.box or c.box == ANY:
-                least = min(out, key=lambda b: len(out[b]))
+            elif kept in out:
+                out[kept].append(c)
+            else:
+                spread.append(c)
+        open_ = [b.name for b in self.boxes if takes_new is None or b.name in takes_new]
+        for c in spread:
+            if open_:
+                least = min(open_, key=lambda b: len(out[b]))
                 out[least].append(c)
-        return out
+        order = {c.name: i for i, c in enumerate(self.queue.cells)}
+        return {b: sorted(cells, key=lambda c: order[c.name]) for b, cells in out.items()}
+
+    def unplaced(self, assigned: Mapping[str, Sequence[QueuedCellSpec]]) -> list[str]:
+        """The plan's cells that `assigned` gives no box."""
+        placed = {c.name for cells in assigned.values() for c in cells}
+        return [c.name for c in self.queue.cells if c.name not in placed]
 
 
 def load_plan(path: Path, *, trusted: bool = False, known_profiles: Collection[str] | None = None) -> Plan:
@@ -239,28 +257,27 @@ def _at(file: str, c: QueuedCellSpec, field: str, problem: str) -> UsageError:
     return UsageError(f"{where}: [[cell]] {c.name!r}: field {field}: {problem}")
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    """What `fanout up` records and compares: the plan as it acts (boxes, each box's cells)."""
-    assigned = plan.assignment()
+def plan_json(plan: Plan, assigned: Mapping[str, Sequence[QueuedCellSpec]] | None = None) -> dict[str, Any]:
+    """What `fanout up` records and compares: the plan as it acts (boxes, each box's cells as
+    `assigned`, default: the plan's own assignment with nothing applied before)."""
+    cells_of_box = plan.assignment() if assigned is None else assigned
     return {
         "name": plan.name,
         "durable": plan.durable,
         "roster": list(plan.roster),
         "restart": [plan.queue.restart, plan.queue.max_restarts, plan.queue.restart_backoff],
-        "boxes": {
-            b.name: {
-                "profile": b.profile or b.profile_file,
-                "host": b.host,
-                "instance_id": b.instance_id,
-                "watch": list(b.watch),
-                "workdir": b.workdir,
-                "ssh_options": list(b.ssh_options),
-                "price_per_hour": b.price_per_hour,
-                "cells": [
-                    {"name": c.name, "argv": list(c.argv), "cwd": c.cwd, "env": dict(c.env)}
-                    for c in assigned[b.name]
-                ],
-            }
-            for b in plan.boxes
-        },
+        "boxes": {b.name: box_json(b, cells_of_box.get(b.name, ())) for b in plan.boxes},
+    }
+
+
+def box_json(b: PlanBox, cells: Sequence[QueuedCellSpec]) -> dict[str, Any]:
+    return {
+        "profile": b.profile or b.profile_file,
+        "host": b.host,
+        "instance_id": b.instance_id,
+        "watch": list(b.watch),
+        "workdir": b.workdir,
+        "ssh_options": list(b.ssh_options),
+        "price_per_hour": b.price_per_hour,
+        "cells": [{"name": c.name, "argv": list(c.argv), "cwd": c.cwd, "env": dict(c.env)} for c in cells],
     }
