@@ -25,7 +25,7 @@ from typing import Any
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import boxes, queues
+from controller import armed, boxes, queues
 from controller.cellsfile import CellsFile
 from controller.errors import ControllerError, UsageError
 from controller.fanoutplan import DOWN, BoxPlan, Seen, Settled, settle
@@ -187,7 +187,7 @@ async def up(
         for bp in sorted(acting, key=lambda bp: bp.box.name):  # one order: two fan-outs never deadlock
             name = bp.box.name
             busy = f"a `down {name}` or `up {name}` is running (pid {{pid}}); wait for it to end"
-            locks.enter_context(exclusive(state.box_lock(name), busy))
+            locks.enter_context(exclusive(state.box_lock(name), armed.blocking(state, name, busy)))
         outcomes = await asyncio.gather(
             *(_one(state, plan, plan_dir, bp, seen.status.get(bp.box.name)) for bp in acting)
         )

@@ -102,6 +102,7 @@ class Box:
     # A `down --when-safe` follows the box (its pid, since when): it tears it down once safe.
     armed_pid: int = 0
     armed_at_ns: int = 0
+    armed_start: str = ""  # that pid's boot id and start time (controller.armed): a reused pid is not it
 
     def to_json(self) -> dict[str, object]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
