@@ -44,12 +44,14 @@ RUNS_CODE = {
     "match": "`Match exec` runs a command on this machine",
     "include": "reads another config file, which may run commands",
     "forwardagent": "hands your SSH agent to the box, which can then log in as you elsewhere",
+    "forwardx11": "hands your X display (its screen and keystrokes) to the box",
+    "remoteforward": "lets the box reach ports or sockets on this machine's side",
 }
 """ssh_config options (man ssh_config) that run or load code, or let the box act as you: a plan
 file, which may come from someone else, gives them only with `fanout up --trust-plan`. What the
 user types (`up --ssh-option`) is theirs. ProxyJump runs only ssh itself: not listed."""
 # The values that turn an option of RUNS_CODE off.
-_OFF = {"permitlocalcommand": "no", "forwardagent": "no"}
+_OFF = {"permitlocalcommand": "no", "forwardagent": "no", "forwardx11": "no"}
 KEEPALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=4")
 CONNECT_TIMEOUT = "ConnectTimeout=15"
 CONTROL_PERSIST = "10m"

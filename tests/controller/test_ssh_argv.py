@@ -128,6 +128,8 @@ def test_no_config_file_means_the_users_own() -> None:
         "Match=exec touch /tmp/x",
         "Include=/tmp/evil_config",
         "ForwardAgent=yes",
+        "ForwardX11=yes",
+        "RemoteForward=8022 localhost:22",
     ],
 )
 def test_a_plan_option_that_runs_code_is_refused_unless_the_plan_is_trusted(option: str) -> None:
