@@ -136,19 +136,17 @@ def _held(
                 "-- ...`), or give it another box in the plan"
             )
         return ""  # the box's own queue holds it finished and skips it: its list stays the same
-    if rerun:
-        return ""
-    if cell in finished:
-        return f"it finished on {finished[cell]}"
     if was and was != b and (cell in seen.busy.get(was, ()) or was in seen.silent):
-        bp.moving.add(cell)
+        bp.moving.add(cell)  # asked to run again or not: never while another queue may run it
         if was in seen.silent:
             return f"it was on {was}, whose queue cannot be read ({seen.silent[was]})"
         return (
             f"it is still to run in {was}'s queue {plan.name}: it moves once that queue ended or was "
             f"stopped (`boxwarden queue {was} {plan.name} --stop`)"
         )
-    return ""
+    if rerun or cell not in finished:
+        return ""
+    return f"it finished on {finished[cell]}"
 
 
 def _notes(plan: Plan, bp: BoxPlan, rerun: Collection[str], finished: Mapping[str, str]) -> list[str]:
@@ -173,10 +171,10 @@ def _notes(plan: Plan, bp: BoxPlan, rerun: Collection[str], finished: Mapping[st
             f"box {b}: torn down, started again (--restart-box) for {', '.join(c.name for c in bp.queue)}"
         )
     for c in bp.cells:
-        if c.name in rerun:
-            out.append(f"cell {c.name}: runs again on {b} (--rerun)")
-        elif c.name in bp.held:
+        if c.name in bp.held:
             out.append(f"cell {c.name}: not run on {b}: {bp.held[c.name]}" + _hint(c.name, bp))
+        elif c.name in rerun:
+            out.append(f"cell {c.name}: runs again on {b} (--rerun)")
     return out
 
 

@@ -112,6 +112,8 @@ def test_a_cell_still_on_another_boxs_queue_moves_only_once_that_queue_let_it_go
     assert [c.name for c in f2.queue] == ["c2"] and f2.moving == {"c3"}
     assert [c["name"] for c in f2.recorded()["cells"]] == ["c2"]  # not its own yet: shown again next time
     assert "once that queue ended or was stopped (`boxwarden queue f1 sweep --stop`)" in f2.held["c3"]
+    asked = settle(moved, applied(first), Seen({"f1": "up", "f2": "up"}, busy={"f1": {"c3"}}), rerun=["c3"])
+    assert [c.name for c in asked.boxes[1].queue] == ["c2"]  # asked or not: never on two queues at once
     silent = settle(moved, applied(first), Seen({"f1": "up", "f2": "up"}, silent={"f1": "no answer"}))
     assert "whose queue cannot be read (no answer)" in silent.boxes[1].held["c3"]
     free = settle(moved, applied(first), UP_BOTH)
