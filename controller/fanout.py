@@ -2,10 +2,14 @@
 
 Idempotent: a box already up is left as it is (`up` again), a queue already running with the same
 cells is left alone, and a queue that ended runs only its cells that did not finish (the sidecar
-never runs a finished cell twice). The plan as last applied is kept in the controller's state
-(`plans/<name>.json`); a plan that differs from it is shown as a difference and applied only once
-the caller confirms. A box whose queue runs with other cells keeps running it: the change reaches
-that box once its queue ended or was stopped (`queue NAME Q --stop`), and the outcome says so.
+never runs a finished cell twice). What each box gets is decided by identity before anything
+starts (controller.fanoutplan): cells stay on their boxes, a finished cell never runs again unasked,
+a box torn down is left down unless `--restart-box NAME`. The plan as last applied is kept in the
+controller's state (`plans/<name>.json`), per box and only where it was applied: a box whose apply
+failed, or that was left down, keeps its old entry, so the next `fanout up` shows its difference
+again. A plan that differs from it is shown as a difference and applied only once the caller
+confirms. A box whose queue runs with other cells keeps running it: the change reaches that box
+once its queue ended or was stopped (`queue NAME Q --stop`), and the outcome says so.
 """
 
 from __future__ import annotations
@@ -14,28 +18,43 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from controller import boxes, queues
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller import armed, boxes, queues
 from controller.cellsfile import CellsFile
 from controller.errors import ControllerError, UsageError
+from controller.fanoutplan import DOWN, BoxPlan, Seen, Settled, settle
 from controller.plan import Plan, PlanBox, plan_json
 from controller.state import State, exclusive
+
+LOOK_S = 15.0  # how long a box's queue is waited for before the plan is settled
 
 
 @dataclass
 class BoxOutcome:
     box: str
-    up: str = ""  # "started", "running" (left alone), or "" when up failed
-    queue: str = ""  # "queued", "unchanged", "none" (no cells), or "" when not queued
-    cells: list[str] = field(default_factory=list)
+    up: str = ""  # "started", "running" (left alone), "down" (torn down, left so), or "" when up failed
+    queue: str = ""  # "queued", "unchanged", "none" (nothing to queue), or "" when not queued
+    cells: list[str] = field(default_factory=list)  # its cells by identity
+    queued: list[str] = field(default_factory=list)  # those queued on it now
+    held: dict[str, str] = field(default_factory=dict)  # cell -> why it does not run now
     error: str = ""
 
     def to_json(self) -> dict[str, object]:
-        return {"box": self.box, "up": self.up, "queue": self.queue, "cells": self.cells, "error": self.error}
+        return {
+            "box": self.box,
+            "up": self.up,
+            "queue": self.queue,
+            "cells": self.cells,
+            "queued": self.queued,
+            "held": self.held,
+            "error": self.error,
+        }
 
 
 def recorded_path(state: State, name: str) -> Path:
@@ -98,42 +117,131 @@ def _check_local_dirs(plan: Plan, plan_dir: Path) -> None:
             seen.append((d, b.name))
 
 
+async def look(state: State, plan: Plan, old: dict[str, Any] | None) -> Seen:
+    """What the plan's boxes (and those of the plan last applied) say now: each record's status,
+    and for each box up, its queue's finished cells and the cells it has still to run."""
+    names = sorted({b.name for b in plan.boxes} | set((old or {}).get("boxes") or {}))
+    status: dict[str, str] = {}
+    finished: dict[str, str] = {}
+    busy: dict[str, set[str]] = {}
+    silent: dict[str, str] = {}
+
+    async def one(name: str) -> None:
+        box = state.find(name)
+        if box is None:
+            return
+        status[name] = box.status
+        if box.status != "up":
+            return
+        try:
+            found = await asyncio.wait_for(queues.list_queues(box, plan.name, brief=True), LOOK_S)
+        except (ControllerError, TimeoutError) as e:
+            silent[name] = str(e) or "no answer"
+            return
+        for q in found:
+            for c in q.cells:
+                if c.state in (pb.CELL_DONE, pb.CELL_SKIPPED) and c.durability != pb.CELL_NO_CHECKPOINT:
+                    finished[c.spec.cell] = name
+                elif c.state in (pb.CELL_PENDING, pb.CELL_RUNNING) and not q.stopped:
+                    busy.setdefault(name, set()).add(c.spec.cell)
+
+    await asyncio.gather(*(one(n) for n in names))
+    return Seen(status, finished, busy, silent)
+
+
+def read_recorded(state: State, name: str) -> dict[str, Any] | None:
+    path = recorded_path(state, name)
+    try:
+        return dict(json.loads(path.read_text())) if path.exists() else None
+    except (OSError, ValueError):
+        return None  # unreadable: treated as a first run, which only adds
+
+
 async def up(
     state: State,
     plan: Plan,
     plan_dir: Path,
     *,
     confirm: Callable[[list[str]], bool],
+    notify: Callable[[list[str]], None] = lambda lines: None,
+    rerun: Collection[str] = (),
+    restart: Collection[str] = (),
 ) -> list[BoxOutcome]:
-    """Apply `plan`: every box up at once, then each box's cells queued on it. `confirm(lines)`
-    is asked (with the difference) when the plan differs from the one last applied."""
+    """Apply `plan`: every box up at once, then each box's cells queued on it. `notify(lines)` is
+    told what is left alone or held back, before anything starts; `confirm(lines)` is asked (with
+    the difference) when the plan differs from the one last applied. `rerun`: cells to run again
+    though they finished; `restart`: torn-down boxes to start again."""
     _check_local_dirs(plan, plan_dir)
-    doc = plan_json(plan)
-    path = recorded_path(state, plan.name)
-    try:
-        old = json.loads(path.read_text()) if path.exists() else None
-    except (OSError, ValueError):
-        old = None  # unreadable: treated as a first run, which only adds
+    old = read_recorded(state, plan.name)
+    seen = await look(state, plan, old)
+    settled = settle(plan, old, seen, rerun=rerun, restart=restart)
+    assigned = {bp.box.name: bp.cells for bp in settled.boxes}
+    doc = plan_json(plan, assigned)
+    if settled.notes:
+        notify(settled.notes)
     changes = difference(old, doc)
     if changes and not confirm(changes):
         raise UsageError(f"plan {plan.name} not applied: nothing was changed")
-    assigned = plan.assignment()
+    acting = [bp for bp in settled.boxes if bp.action != DOWN]
     with contextlib.ExitStack() as locks:
-        for b in sorted(plan.boxes, key=lambda b: b.name):  # one order: two fan-outs never deadlock
-            busy = f"a `down {b.name}` or `up {b.name}` is running (pid {{pid}}); wait for it to end"
-            locks.enter_context(exclusive(state.box_lock(b.name), busy))
+        for bp in sorted(acting, key=lambda bp: bp.box.name):  # one order: two fan-outs never deadlock
+            name = bp.box.name
+            busy = f"a `down {name}` or `up {name}` is running (pid {{pid}}); wait for it to end"
+            locks.enter_context(exclusive(state.box_lock(name), armed.blocking(state, name, busy)))
         outcomes = await asyncio.gather(
-            *(_one(state, plan, plan_dir, b, assigned[b.name]) for b in plan.boxes)
+            *(_one(state, plan, plan_dir, bp, seen.status.get(bp.box.name)) for bp in acting)
         )
+    done = {o.box: o for o in outcomes}
+    _record(state, plan, old, doc, settled, done, rerun)
+    left = [
+        BoxOutcome(bp.box.name, up="down", queue="none", cells=[c.name for c in bp.cells], held=bp.held)
+        for bp in settled.boxes
+        if bp.action == DOWN
+    ]
+    order = [b.name for b in plan.boxes]
+    return sorted([*outcomes, *left], key=lambda o: order.index(o.box))
+
+
+def _record(
+    state: State,
+    plan: Plan,
+    old: dict[str, Any] | None,
+    doc: dict[str, Any],
+    settled: Settled,
+    done: dict[str, BoxOutcome],
+    rerun: Collection[str],
+) -> None:
+    """Keep the plan as applied, box by box: a box whose apply failed, or that was left down, keeps
+    its old entry (none if it had none); the plan-wide fields are the new ones only once every box
+    acted on (`done`) took them. A cell asked to run again is no longer finished once its box took it."""
+    applied = {name for name, o in done.items() if not o.error}
+    was = (old or {}).get("boxes") or {}
+    record: dict[str, Any] = dict(doc) if old is None or applied == set(done) else dict(old)
+    record["name"] = plan.name
+    record["boxes"] = {}
+    for bp in settled.boxes:
+        name = bp.box.name
+        if name in applied:
+            record["boxes"][name] = bp.recorded()
+        elif name in was:
+            record["boxes"][name] = was[name]
+    taken = {c.name for bp in settled.boxes if bp.box.name in applied for c in bp.queue}
+    record["finished"] = {c: b for c, b in settled.finished.items() if not (c in rerun and c in taken)}
+    path = recorded_path(state, plan.name)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True))
+    tmp.write_text(json.dumps(record, indent=2, sort_keys=True))
     os.replace(tmp, path)
-    return list(outcomes)
 
 
-async def _one(state: State, plan: Plan, plan_dir: Path, b: PlanBox, cells: list[Any]) -> BoxOutcome:
-    out = BoxOutcome(b.name, cells=[c.name for c in cells])
+async def _one(state: State, plan: Plan, plan_dir: Path, bp: BoxPlan, status: str | None) -> BoxOutcome:
+    b, cells = bp.box, bp.queue
+    out = BoxOutcome(b.name, cells=[c.name for c in bp.cells], queued=[c.name for c in cells], held=bp.held)
+    now = state.find(b.name)
+    if (now.status if now is not None else None) != status:  # a `down` or `up` since the look
+        was, is_ = status or "not known here", now.status if now is not None else "not known here"
+        out.error = f"it was {was} when the plan was settled and is {is_} now: run `fanout up` again"
+        return out
     roster = tuple(c.name for c in cells if c.name in plan.roster)
     try:
         if not b.host:

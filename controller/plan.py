@@ -18,7 +18,7 @@ The file::
     instance_id = "abc123"       # optional; what the profile's meter stop needs
     watch = ["ckpt"]             # optional (default ["ckpt"]); relative: under workdir
     workdir = "/workspace"       # optional
-    ssh_options = ["Port=2222"]  # optional
+    ssh_options = ["Port=2222"]  # optional; one that runs code (ProxyCommand...) only with --trust-plan
     price_per_hour = 1.2         # optional, for the cost of an idle box
 
     [[cell]]                     # as in a queue file, plus:
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import tomllib
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,7 @@ from typing import Any
 from controller import boxes, profiles
 from controller.cellsfile import MAX_FILE_BYTES, CellsFile, QueuedCellSpec, Table, cells_of, header_lines
 from controller.errors import UsageError
+from controller.ssh import argv as sshargv
 from controller.tomlfields import read_text
 
 ANY = "any"
@@ -70,24 +71,47 @@ class Plan:
     durable: str | None
     roster: tuple[str, ...]
 
-    def assignment(self) -> dict[str, list[QueuedCellSpec]]:
-        """Box name -> its cells, in plan order: a cell's own box, else ("any") the box with the
-        fewest cells so far (the first such in plan order). The same plan always gives the same."""
+    def assignment(
+        self, previous: Mapping[str, str] | None = None, takes_new: Collection[str] | None = None
+    ) -> dict[str, list[QueuedCellSpec]]:
+        """Box name -> its cells, in plan order, matched by name, never by position: a cell's own
+        box; else the box `previous` (cell -> box, as last applied) gave it, if that box is still in
+        the plan; else ("any", and new) the box with the fewest cells so far among `takes_new` (default:
+        every box; the first such in plan order). The same plan and `previous` always give the same.
+        A new cell that no box takes is left out: `unplaced` names it."""
         out: dict[str, list[QueuedCellSpec]] = {b.name: [] for b in self.boxes}
+        spread: list[QueuedCellSpec] = []
         for c in self.queue.cells:
+            kept = (previous or {}).get(c.name, "")
             if c.box and c.box != ANY:
                 out[c.box].append(c)
-        for c in self.queue.cells:
-            if not c.box or c.box == ANY:
-                least = min(out, key=lambda b: len(out[b]))
+            elif kept in out:
+                out[kept].append(c)
+            else:
+                spread.append(c)
+        open_ = [b.name for b in self.boxes if takes_new is None or b.name in takes_new]
+        for c in spread:
+            if open_:
+                least = min(open_, key=lambda b: len(out[b]))
                 out[least].append(c)
-        return out
+        order = {c.name: i for i, c in enumerate(self.queue.cells)}
+        return {b: sorted(cells, key=lambda c: order[c.name]) for b, cells in out.items()}
+
+    def unplaced(self, assigned: Mapping[str, Sequence[QueuedCellSpec]]) -> list[str]:
+        """The plan's cells that `assigned` gives no box."""
+        placed = {c.name for cells in assigned.values() for c in cells}
+        return [c.name for c in self.queue.cells if c.name not in placed]
 
 
-def load_plan(path: Path, *, known_profiles: Collection[str] | None = None) -> Plan:
+def load_plan(path: Path, *, trusted: bool = False, known_profiles: Collection[str] | None = None) -> Plan:
     text = read_text(path, what="the plan", option="fanout", max_bytes=MAX_FILE_BYTES)
     return parse_plan(
-        text, file=str(path), default_name=path.stem, base=path.parent, known_profiles=known_profiles
+        text,
+        file=str(path),
+        default_name=path.stem,
+        base=path.parent,
+        trusted=trusted,
+        known_profiles=known_profiles,
     )
 
 
@@ -97,9 +121,11 @@ def parse_plan(
     file: str,
     default_name: str,
     base: Path,
+    trusted: bool = False,
     known_profiles: Collection[str] | None = None,
 ) -> Plan:
-    """Validate a plan's text. `base`: what a relative profile_file is relative to;
+    """Validate a plan's text. `base`: what a relative profile_file is relative to; `trusted`: the
+    user passed --trust-plan (ssh options that run code are taken: controller.ssh.argv.RUNS_CODE);
     `known_profiles`: the shipped profiles' names (default: the installed ones)."""
     try:
         data = tomllib.loads(text)
@@ -109,7 +135,7 @@ def parse_plan(
     queue = cells_of(top, text, file=file, default_name=default_name, plan=True)
     durable = top.text("durable", required=False, default="") or None
     known = set(profiles.available() if known_profiles is None else known_profiles)
-    plan_boxes = _boxes(top, text, file, base, known)
+    plan_boxes = _boxes(top, text, file, base, known, trusted)
     names = {b.name for b in plan_boxes}
     folded: dict[str, QueuedCellSpec] = {}
     for c in queue.cells:
@@ -135,7 +161,9 @@ def parse_plan(
     return Plan(queue.name, plan_boxes, queue, durable, roster)
 
 
-def _boxes(top: Table, text: str, file: str, base: Path, known: set[str]) -> tuple[PlanBox, ...]:
+def _boxes(
+    top: Table, text: str, file: str, base: Path, known: set[str], trusted: bool
+) -> tuple[PlanBox, ...]:
     rows = top.rows("box")
     if len(rows) > MAX_BOXES:
         raise top.fail("box", f"{len(rows)} boxes; a plan holds at most {MAX_BOXES}")
@@ -182,12 +210,32 @@ def _boxes(top: Table, text: str, file: str, base: Path, known: set[str]) -> tup
                 instance_id=t.text("instance_id", required=False, default=""),
                 watch=watch,
                 workdir=t.text("workdir", required=False, default=""),
-                ssh_options=t.text_list("ssh_options"),
+                ssh_options=_ssh_options(t, text, trusted),
                 price_per_hour=price,
                 line=line,
             )
         )
         t.done()
+    return tuple(out)
+
+
+def _ssh_options(t: Table, text: str, trusted: bool) -> tuple[str, ...]:
+    """The box's ssh options, each checked where it is written (its line, found by its key in the
+    box's table; else the table's header line)."""
+    lines = text.split("\n")
+    out = []
+    for option in t.text_list("ssh_options"):
+        at = t.line
+        key = option.partition("=")[0].strip().lower()
+        for n in range(t.line or len(lines), len(lines)):  # t.line: the header's, counted from 1
+            if lines[n].lstrip().startswith("["):
+                break
+            if key and key in lines[n].lower():
+                at = n + 1
+                break
+        where = f"{t.file}:{at}" if at else t.file
+        where += f": [[box]] {t.cell} ({t.name!r})"
+        out.append(sshargv.check_plan_option(option, where, trusted=trusted))
     return tuple(out)
 
 
@@ -209,28 +257,27 @@ def _at(file: str, c: QueuedCellSpec, field: str, problem: str) -> UsageError:
     return UsageError(f"{where}: [[cell]] {c.name!r}: field {field}: {problem}")
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    """What `fanout up` records and compares: the plan as it acts (boxes, each box's cells)."""
-    assigned = plan.assignment()
+def plan_json(plan: Plan, assigned: Mapping[str, Sequence[QueuedCellSpec]] | None = None) -> dict[str, Any]:
+    """What `fanout up` records and compares: the plan as it acts (boxes, each box's cells as
+    `assigned`, default: the plan's own assignment with nothing applied before)."""
+    cells_of_box = plan.assignment() if assigned is None else assigned
     return {
         "name": plan.name,
         "durable": plan.durable,
         "roster": list(plan.roster),
         "restart": [plan.queue.restart, plan.queue.max_restarts, plan.queue.restart_backoff],
-        "boxes": {
-            b.name: {
-                "profile": b.profile or b.profile_file,
-                "host": b.host,
-                "instance_id": b.instance_id,
-                "watch": list(b.watch),
-                "workdir": b.workdir,
-                "ssh_options": list(b.ssh_options),
-                "price_per_hour": b.price_per_hour,
-                "cells": [
-                    {"name": c.name, "argv": list(c.argv), "cwd": c.cwd, "env": dict(c.env)}
-                    for c in assigned[b.name]
-                ],
-            }
-            for b in plan.boxes
-        },
+        "boxes": {b.name: box_json(b, cells_of_box.get(b.name, ())) for b in plan.boxes},
+    }
+
+
+def box_json(b: PlanBox, cells: Sequence[QueuedCellSpec]) -> dict[str, Any]:
+    return {
+        "profile": b.profile or b.profile_file,
+        "host": b.host,
+        "instance_id": b.instance_id,
+        "watch": list(b.watch),
+        "workdir": b.workdir,
+        "ssh_options": list(b.ssh_options),
+        "price_per_hour": b.price_per_hour,
+        "cells": [{"name": c.name, "argv": list(c.argv), "cwd": c.cwd, "env": dict(c.env)} for c in cells],
     }

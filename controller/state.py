@@ -102,6 +102,7 @@ class Box:
     # A `down --when-safe` follows the box (its pid, since when): it tears it down once safe.
     armed_pid: int = 0
     armed_at_ns: int = 0
+    armed_start: str = ""  # that pid's boot id and start time (controller.armed): a reused pid is not it
     # The start nonce of the sidecar `up` started or adopted (controller.identity): an answer from
     # any other is refused. "": a record of an older version (the first answer's is taken).
     sidecar_nonce: str = ""

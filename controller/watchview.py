@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import boxes, queues, render, whensafe
+from controller import armed, boxes, queues, render
 from controller.errors import ControllerError
 from controller.reach import connect
 from controller.state import Box, State
@@ -96,8 +96,7 @@ def lacks(seen: Seen) -> list[str]:
     if not_durable:
         out.append(f"{not_durable} not durable")
     out = out or ["pull+verify"]
-    armed = whensafe.armed_note(seen.box)
-    return [f"{armed}: {out[0]}", *out[1:]] if armed else out
+    return [f"armed: {out[0]}", *out[1:]] if armed.follower(seen.box) else out
 
 
 def _int(v: object) -> int:
@@ -118,8 +117,8 @@ def row_cells(seen: Seen, now: float) -> list[str]:
     if not r or r.get("unreachable"):
         ago = f"{render.human_duration(now - seen.at)} ago" if seen.at else "never"
         return [name, f"UNREACHABLE (seen {ago})", "", "", "", "", ", ".join(lacks(seen))]
-    if r.get("status") != "up":
-        return [name, str(r.get("status")), "", "", "", "", ""]
+    if r.get("status") != "up":  # a teardown left unfinished: a follower may continue it
+        return [name, str(r.get("status")), "", "", "", "", "armed" if armed.follower(seen.box) else ""]
     progress = r.get("progress")
     step = ""
     if isinstance(progress, list) and progress:

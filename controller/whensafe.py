@@ -4,49 +4,52 @@ The controller follows the box: while a job runs or its queue has cells to run, 
 pulls the claims (resumably, into the pulled tree), verifies the tree as `verify` does, and asks the
 usual gate with the name the user confirmed. The moment the gate passes, the usual teardown runs
 (the release, the sidecar stop, the meter stop). Until then nothing is torn down: a box that does
-not answer, or whose evidence never completes, is followed until the user ends it (Ctrl-C), never
-torn down. While it follows, the box is marked armed in the controller's state (`watch` shows it).
+not answer, whose evidence never completes, or whose release the sidecar refuses (a job waiting to
+be started again, a file changed since it was verified) is followed until the user ends it
+(Ctrl-C), never torn down; each new reason is told as it changes. What can never pass is refused at
+once instead: a pull destination that overlaps what it proves, or a run that left nothing at all
+(unless `allow_empty`). A box whose teardown was interrupted is continued: through the gate while
+its sidecar answers, else as `down NAME --confirm NAME` continues it (only the meter is left).
+While it follows, the box is marked armed in the controller's state (controller.armed; `watch`
+shows it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, boxes, queues, reach, teardown
-from controller.errors import ControllerError, StateError
+from controller import __version__, armed, boxes, reach, teardown
+from controller.errors import ControllerError, GateRefused, Reason, StateError, UsageError
+from controller.overlap import destination_problem, overlap_problem
 from controller.state import Box, State
 from controller.verify import verify_tree
 
 POLL_S = 5.0
+ASK_S = 10.0  # how long one look at the box may take
 
 
-def armed_note(box: Box) -> str:
-    """ "armed" while a `down --when-safe` of this box runs ("" otherwise)."""
-    if box.armed_pid and os.path.exists(f"/proc/{box.armed_pid}"):
-        return "armed"
-    return ""
-
-
-async def waiting_for(state: State, box: Box) -> list[str]:
-    """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle."""
-    (s,) = await boxes.status(state, [box.name], deadline_s=10.0)
-    if s.health is None:
-        return [f"an answer from its sidecar ({s.error})"]
-    running = [j.id for j in s.health.jobs if j.state == pb.JOB_STATE_RUNNING]
-    out = [f"job {j} to end" for j in running]
+async def waiting_for(box: Box, pull_to: Path) -> list[str]:
+    """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle.
+    Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes."""
     try:
-        for q in await queues.list_queues(box, brief=True):
-            left = [c.spec.cell for c in q.cells if c.state in (pb.CELL_PENDING, pb.CELL_RUNNING)]
-            if left and not q.stopped:
-                out.append(f"queue {q.name}'s cells {', '.join(left)}")
-    except ControllerError as e:
-        out.append(f"its queues ({e})")
+        async with asyncio.timeout(ASK_S), reach.connect(box) as c:
+            hello = await c.hello()
+            health = await c.health_once()
+            found = await c.list_queues(brief=True)
+    except (ControllerError, TimeoutError) as e:
+        return [f"an answer from its sidecar ({str(e) or f'none within {ASK_S:.0f} s'})"]
+    problem = overlap_problem(pull_to, hello) or destination_problem(pull_to)
+    if problem:
+        raise UsageError(f"--pull-to {pull_to}: {problem}; nothing was torn down")
+    out = [f"job {j.id} to end" for j in health.jobs if j.state == pb.JOB_STATE_RUNNING]
+    for q in found:
+        left = [c.spec.cell for c in q.cells if c.state in (pb.CELL_PENDING, pb.CELL_RUNNING)]
+        if left and not q.stopped:
+            out.append(f"queue {q.name}'s cells {', '.join(left)}")
     return out
 
 
@@ -58,44 +61,77 @@ async def follow(
     poll_s: float,
     report: Callable[[str], None],
     manual_done: Callable[[str], Awaitable[bool]],
+    allow_empty: bool = False,
 ) -> teardown.TeardownResult:
     """Follow box `name` until the gate passes, then tear it down; `report` gets each new reason
-    it still waits. Raises StateError if the box stops being up meanwhile (another `down`)."""
+    it still waits. Raises StateError if the box is down meanwhile (another `down`)."""
     said: list[str] = []
-    state.put(state.get(name).with_(armed_pid=os.getpid(), armed_at_ns=time.time_ns()))
+    told = False
+    armed.arm(state, name)
     try:
         while True:
             box = state.get(name)
-            if box.status != "up":
-                raise StateError(f"{name} is {box.status} now: nothing left to tear down when safe")
-            why = await waiting_for(state, box)
+            if box.status == "down":
+                raise StateError(f"{name} is down now: nothing left to tear down when safe")
+            earlier = teardown.unfinished(state, box)
+            if earlier is not None and not await teardown.sidecar_answers(box):
+                # An interrupted teardown and nothing watches the box: no gate can run, only the
+                # meter is left to settle, as `down NAME --confirm NAME` settles it.
+                report(f"continuing its teardown: {earlier.describe()}")
+                return await teardown.retry_meter(state, box, boxes.box_profile(box), manual_done)
+            if earlier is not None and not told:  # its sidecar answers: through the whole gate again
+                told = True
+                report(f"its teardown did not finish ({earlier.describe()}): continued through the gate")
+            why = await waiting_for(box, pull_to)
             if not why:
-                try:
-                    rep = await reach.pull_box(state, box, pull_to)
-                    missing = sorted(rep.unavailable)
-                    why = [f"the pull: {', '.join(missing)} unavailable"] if missing else []
-                except ControllerError as e:
-                    why = [f"the pull ({e})"]
-            if not why:  # as `verify DIR` does it: the tree against its manifest, then a marker
-                checked = await asyncio.to_thread(
-                    verify_tree,
-                    pull_to,
-                    roster=box.roster or None,
-                    write_marker=True,
-                    verifier_version=__version__,
-                )
-                why = [f"{r.code} {r.path}".strip() for r in checked.reasons]
+                why = await _evidence(state, box, pull_to, allow_empty)
             if not why:
                 verdict = await boxes.judge(box, pull_to, confirm=name, dry_run=False, state=state)
+                why = [f"{r.code} {r.path}".strip() for r in verdict.reasons]
                 if verdict.allowed:
                     report("the gate passed: tearing down")
-                    return await boxes.down(state, state.get(name), verdict, manual_done)
-                why = [f"{r.code} {r.path}".strip() for r in verdict.reasons]
+                    try:
+                        return await boxes.down(state, state.get(name), verdict, manual_done)
+                    except GateRefused as e:  # only the release refuses so: the box is as it was, watched
+                        why = [f"the release: {_line(r)}" for r in e.reasons] or [str(e)]
             if why != said:
                 said = why
                 report("waiting for " + "; ".join(why))
             await asyncio.sleep(poll_s)
     finally:
-        now = state.find(name)
-        if now is not None and now.armed_pid == os.getpid():
-            state.put(now.with_(armed_pid=0, armed_at_ns=0))
+        armed.disarm(state, name)
+
+
+async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) -> list[str]:
+    """Pull, then verify as `verify DIR` does (the tree against its manifest, then a marker): what
+    is still missing ([] when the tree verified). A run that left nothing at all never passes
+    without `allow_empty`: refused (GateRefused)."""
+    try:
+        rep = await reach.pull_box(state, box, pull_to)
+    except ControllerError as e:
+        return [f"the pull ({e})"]
+    if rep.unavailable:
+        return [f"the pull: {', '.join(sorted(rep.unavailable))} unavailable"]
+    checked = await asyncio.to_thread(
+        verify_tree,
+        pull_to,
+        roster=box.roster or None,
+        write_marker=True,
+        verifier_version=__version__,
+        allow_empty=allow_empty,
+    )
+    why = [f"{r.code} {r.path}".strip() for r in checked.reasons]
+    if any(r.code == "EMPTY" for r in checked.reasons):
+        listing = await reach.artifacts(box)
+        if not listing.total_claims and not listing.total_pending:  # idle, and nothing on the way
+            raise GateRefused(
+                f"{box.name} runs nothing and its watched dirs hold nothing: an empty run never passes the "
+                "gate. If it produced nothing on purpose, arm it with --allow-empty; nothing was torn down",
+                [Reason("EMPTY", detail="no claims, nothing in flight, no job or cell to run")],
+            )
+    return why
+
+
+def _line(r: Reason) -> str:
+    """A refusal of the release with its detail (which job, which file): what to wait for."""
+    return " ".join(x for x in (r.code, r.path, f"({r.detail})" if r.detail else "") if x)

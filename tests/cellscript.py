@@ -1,7 +1,8 @@
 """The program of a queued cell in tests: it counts its runs in <marks>/<cell>.runs, waits for
 <marks>/<cell>.gate if asked to (`--gate`; two minutes at most, so that a failed test leaves nothing
-running for long), saves one checkpoint as <out>/<cell>/ckpt-1.pt unless it fails, writes
-<marks>/<cell>.end and exits with $CELL_EXIT. The cell is the sidecar's BOXWARDEN_CELL."""
+running for long), saves one checkpoint as <out>/<cell>/ckpt-1.pt unless it fails (with
+`--safetensors`: a loadable <out>/<cell>/ckpt-1.safetensors, for a box that is verified and torn
+down), writes <marks>/<cell>.end and exits with $CELL_EXIT. The cell is the sidecar's BOXWARDEN_CELL."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 from pathlib import Path
 
 CELL = r"""
-import os, sys, time, pathlib
+import json, os, struct, sys, time, pathlib
 cell = os.environ["BOXWARDEN_CELL"]
 marks, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
 with open(marks / (cell + ".runs"), "a") as f:
@@ -23,7 +24,14 @@ if "--gate" in sys.argv:
 code = int(os.environ.get("CELL_EXIT", "0"))
 if code == 0:
     (out / cell).mkdir(parents=True, exist_ok=True)
-    (out / cell / "ckpt-1.pt").write_bytes(b"\x80" + os.urandom(4096))
+    if "--safetensors" in sys.argv:
+        head = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
+        head += b" " * (-len(head) % 8)
+        tmp = out / cell / "ckpt-1.safetensors.tmp"
+        tmp.write_bytes(struct.pack("<Q", len(head)) + head + os.urandom(4096))
+        os.replace(tmp, out / cell / "ckpt-1.safetensors")
+    else:
+        (out / cell / "ckpt-1.pt").write_bytes(b"\x80" + os.urandom(4096))
 (marks / (cell + ".end")).write_text("end")
 sys.exit(code)
 """

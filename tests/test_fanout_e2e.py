@@ -1,18 +1,22 @@
 """`fanout up PLAN` through the real CLI with real local boxes: every box comes up, each gets its
 cells as a queue, a second run changes nothing and runs no cell again, a changed plan is shown and
-applied only when confirmed, and two boxes that would watch one directory are refused."""
+applied only when confirmed, and two boxes that would watch one directory are refused. A plan is
+applied by identity: a cell added at the top moves no other cell, a box torn down stays down (and
+its finished cell never runs again) unless asked, and a change that failed is shown again."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.cellscript import cell_argv, runs
 from tests.conftest import Bw
 
 
-def write_plan(path: Path, marks: Path, cells: str, boxes: str = "") -> Path:
-    argv = cell_argv(marks, Path("ckpt"))  # relative: each box's own watched dir (its workdir/ckpt)
+def write_plan(path: Path, marks: Path, cells: str, boxes: str = "", *flags: str) -> Path:
+    argv = cell_argv(marks, Path("ckpt"), *flags)  # relative: each box's own watched dir (its workdir/ckpt)
     path.write_text(
         f'name = "sweep"\n[defaults]\ncommand = {json.dumps(argv)}\n\n'
         + (boxes or '[[box]]\nname = "f1"\nprofile = "local"\n\n[[box]]\nname = "f2"\nprofile = "local"\n\n')
@@ -21,20 +25,30 @@ def write_plan(path: Path, marks: Path, cells: str, boxes: str = "") -> Path:
     return path
 
 
+def wait_queues(bw: Bw, *names: str) -> None:
+    for box in names:
+        r = bw("queue", box, "sweep", "--wait", "--timeout", "90", "--json", timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr  # every cell finished, its checkpoints durable
+
+
+@pytest.fixture
+def marks(tmp_path: Path) -> Path:
+    """Where the cells count their runs (tests.cellscript)."""
+    (tmp_path / "marks").mkdir()
+    return tmp_path / "marks"
+
+
 CELLS = '[[cell]]\nname = "a"\nbox = "f1"\n\n[[cell]]\nname = "b"\n\n[[cell]]\nname = "c"\n'
 
 
-def test_fanout_up_spreads_the_cells_and_a_second_run_changes_nothing(bw: Bw, tmp_path: Path) -> None:
-    marks = tmp_path / "marks"
-    marks.mkdir()
+def test_fanout_up_spreads_the_cells_and_a_second_run_changes_nothing(
+    bw: Bw, tmp_path: Path, marks: Path
+) -> None:
     plan = write_plan(tmp_path / "sweep.toml", marks, CELLS)
     doc = bw.json("fanout", "up", str(plan))
     got = {b["box"]: (b["up"], b["queue"], b["cells"], b["error"]) for b in doc["boxes"]}
     assert got == {"f1": ("started", "queued", ["a", "c"], ""), "f2": ("started", "queued", ["b"], "")}
-    for box in ("f1", "f2"):
-        r = bw("queue", box, "sweep", "--wait", "--timeout", "90", "--json", timeout=120)
-        assert r.returncode == 0, r.stderr
-        assert json.loads(r.stdout)["result"] == "ok"
+    wait_queues(bw, "f1", "f2")
     assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]
     # Each box watched its own directory, and holds its own cells' checkpoints.
     assert sorted(p.name for p in (tmp_path / "f1" / "ckpt").iterdir()) == ["a", "c"]
@@ -48,9 +62,7 @@ def test_fanout_up_spreads_the_cells_and_a_second_run_changes_nothing(bw: Bw, tm
     assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]  # no cell ran again
 
 
-def test_a_changed_plan_is_shown_and_applied_only_when_confirmed(bw: Bw, tmp_path: Path) -> None:
-    marks = tmp_path / "marks"
-    marks.mkdir()
+def test_a_changed_plan_is_shown_and_applied_only_when_confirmed(bw: Bw, tmp_path: Path, marks: Path) -> None:
     plan = write_plan(tmp_path / "sweep.toml", marks, CELLS)
     bw.ok("fanout", "up", str(plan))
     write_plan(plan, marks, CELLS + '\n[[cell]]\nname = "d"\n')
@@ -65,6 +77,66 @@ def test_a_changed_plan_is_shown_and_applied_only_when_confirmed(bw: Bw, tmp_pat
     r = bw("queue", "f2", "sweep", "--wait", "--timeout", "90", "--json", timeout=120)
     assert r.returncode == 0, r.stderr
     assert [len(runs(marks, c)) for c in "abcd"] == [1, 1, 1, 1]
+
+
+PINNED = '[[cell]]\nname = "c0"\nbox = "f1"\n\n'
+SPREAD = '[[cell]]\nname = "c1"\n\n[[cell]]\nname = "c2"\n\n[[cell]]\nname = "c3"\n'
+
+
+def test_a_cell_added_at_the_top_moves_no_other_cell(bw: Bw, tmp_path: Path, marks: Path) -> None:
+    plan = write_plan(tmp_path / "sweep.toml", marks, SPREAD)
+    doc = bw.json("fanout", "up", str(plan))
+    assert {b["box"]: b["cells"] for b in doc["boxes"]} == {"f1": ["c1", "c3"], "f2": ["c2"]}
+    wait_queues(bw, "f1", "f2")
+    # A pinned cell at the top: by position, c1 and c2 would change boxes and train again there.
+    write_plan(plan, marks, PINNED + SPREAD)
+    doc = bw.json("fanout", "up", str(plan), "--yes")
+    assert {b["box"]: b["cells"] for b in doc["boxes"]} == {"f1": ["c0", "c1", "c3"], "f2": ["c2"]}
+    wait_queues(bw, "f1", "f2")
+    assert [len(runs(marks, c)) for c in ("c0", "c1", "c2", "c3")] == [1, 1, 1, 1]
+
+
+def test_a_change_that_failed_on_every_box_is_shown_again(bw: Bw, tmp_path: Path, marks: Path) -> None:
+    plan = write_plan(tmp_path / "sweep.toml", marks, SPREAD)
+    bw.ok("fanout", "up", str(plan))
+    # A box that is up keeps what it watches: `up` refuses the change on both boxes.
+    boxes = "".join(f'[[box]]\nname = "{b}"\nprofile = "local"\nwatch = ["other"]\n\n' for b in ("f1", "f2"))
+    write_plan(plan, marks, SPREAD, boxes)
+    r = bw("fanout", "up", str(plan), "--yes", "--json")
+    assert r.returncode == 1 and all(b["error"].startswith("up: ") for b in json.loads(r.stdout)["boxes"])
+    r = bw("fanout", "up", str(plan))  # no terminal: the difference is shown again, not applied
+    assert r.returncode == 2, r.stderr
+    assert "box f1: watch ['ckpt'] -> ['other']" in r.stderr and "box f2: watch" in r.stderr
+
+
+def test_a_torn_down_box_stays_down_and_its_finished_cell_runs_again_only_when_asked(
+    bw: Bw, tmp_path: Path, marks: Path
+) -> None:
+    plan = write_plan(tmp_path / "sweep.toml", marks, CELLS, "", "--safetensors")
+    bw.ok("fanout", "up", str(plan))
+    wait_queues(bw, "f1", "f2")
+    pulled = tmp_path / "pulled-f2"
+    bw.ok("pull", "f2", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    bw.ok("down", "f2", "--confirm", "f2")
+
+    r = bw("fanout", "up", str(plan), "--json")  # the plan unchanged
+    assert r.returncode == 0, r.stderr
+    assert "box f2: torn down, not started again (`fanout up --restart-box f2` starts it)" in r.stderr
+    assert "its cells b ended with it" in r.stderr
+    got = {b["box"]: (b["up"], b["queued"]) for b in json.loads(r.stdout)["boxes"]}
+    assert got == {"f1": ("running", ["a", "c"]), "f2": ("down", [])}
+    assert {x["box"]: x["status"] for x in bw.json("status")["boxes"]}["f2"] == "down"
+    wait_queues(bw, "f1")
+    assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]  # nothing that finished ran again
+
+    r = bw("fanout", "up", str(plan), "--restart-box", "f2")
+    assert r.returncode == 2 and "--restart-box f2: nothing would run on it" in r.stderr, r.stderr
+    doc = bw.json("fanout", "up", str(plan), "--restart-box", "f2", "--rerun", "b")
+    got = {b["box"]: (b["up"], b["queued"]) for b in doc["boxes"]}
+    assert got == {"f1": ("running", ["a", "c"]), "f2": ("started", ["b"])}
+    wait_queues(bw, "f2")
+    assert [len(runs(marks, c)) for c in "abc"] == [1, 2, 1]  # b once more: asked for
 
 
 def test_two_boxes_that_would_watch_one_directory_are_refused(bw: Bw, tmp_path: Path) -> None:

@@ -12,8 +12,15 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.conftest import wait_until
-from tests.test_remote_e2e import Remote, remote, venv_template, wheel_cache  # noqa: F401 - fixtures
+from tests.conftest import exclusive, wait_until
+from tests.test_remote_e2e import (  # noqa: F401 - fixtures
+    Remote,
+    _exit_master,
+    _wheelhouse,
+    remote,
+    venv_template,
+    wheel_cache,
+)
 from tests.test_watch_e2e import screen, tmux
 
 # A cell: fails at once with $FAIL; else saves a checkpoint (safetensors) under ckpt/<cell>/ and, with
@@ -121,3 +128,36 @@ def test_a_plan_over_three_boxes_watched_pulled_and_torn_down_where_safe(
         assert status == {"r1": "down", "r2": "up", "here": "up"}
     finally:
         gate.touch()
+
+
+def test_a_plan_whose_ssh_option_runs_a_command_is_taken_only_with_trust_plan(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    bw, box = remote.bw, remote.boxes("r1")
+    with exclusive(remote.template.lock):  # no template yet: the fan-out's `up` installs for real
+        remote.template.seed(box, _wheelhouse(box, remote.wheel_cache).digest)
+    ran = tmp_path / "proxy-ran"
+    proxy = f"ProxyCommand=sh -c 'echo ran >> {ran}; exec ssh -F {box.config} -W %h:%p {box.alias}'"
+    plan = tmp_path / "plan.toml"
+    plan.write_text(
+        f'name = "pc"\n[defaults]\ncommand = ["true"]\n\n[[box]]\nname = "{box.alias}"\n'
+        f'profile_file = "{remote.profile}"\nhost = "{box.alias}"\ninstance_id = "i-{box.alias}"\n'
+        f'ssh_options = [\n  {json.dumps(proxy)},\n]\n\n[[cell]]\nname = "a"\n'
+    )
+    refused = bw("fanout", "up", str(plan))
+    assert refused.returncode == 2, refused.stderr
+    where = f"{plan}:11: [[box]] 1 ('{box.alias}'): field ssh_options"
+    assert f"{where}: ProxyCommand runs a command" in refused.stderr
+    assert "--trust-plan" in refused.stderr
+    assert not ran.exists() and bw.json("status")["boxes"] == []  # nothing ran, nothing was recorded
+
+    doc = bw.json("fanout", "up", str(plan), "--trust-plan")
+    assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [(box.alias, "started", "")]
+    assert ran.read_text().splitlines()  # the link went through the plan's ProxyCommand
+    # The box keeps the options it was brought up with: a new link (no master left) runs it again.
+    _exit_master(bw, box)
+    before = len(ran.read_text().splitlines())
+    (row,) = bw.json("status", box.alias)["boxes"]
+    assert row["status"] == "up" and row["unreachable"] is False
+    assert len(ran.read_text().splitlines()) > before

@@ -1,7 +1,9 @@
 """`down NAME --confirm NAME --when-safe` through the real CLI on a real local box: armed while its
 last job runs, it pulls and verifies once the job ended and tears the box down through the usual
 gate, never before (the journal's order says so); a box whose evidence never completes is never
-torn down; `watch` shows the box armed."""
+torn down; `watch` shows the box armed. A refused release is one more reason to wait; what can
+never pass is refused at once; a SIGTERM says what is left and arming again continues it; the
+follower names itself to a command it blocks, and a pid reused since never shows a box armed."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from controller.armed import process_start
+from controller.state import State
+from controller.teardown import RELEASE
 from tests.conftest import Bw, save_weights, wait_until
 
 NAME = "ws"
 # Saves a checkpoint (safetensors, as tests.conftest.save_weights writes one), then waits for its
 # gate file (a minute at most) and saves another.
-JOB = r"""
+SAVE = r"""
 import json, os, struct, sys, time, pathlib
 def save(path):
     data = os.urandom(4000)
@@ -27,14 +32,22 @@ def save(path):
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(struct.pack("<Q", len(head)) + head + data)
     os.replace(tmp, path)
-out, gate = pathlib.Path("ckpt", "cell-a"), pathlib.Path(sys.argv[1])
+out = pathlib.Path("ckpt", "cell-a")
 out.mkdir(parents=True, exist_ok=True)
 save(out / "step-1.safetensors")
+"""
+JOB = (
+    SAVE
+    + r"""
+gate = pathlib.Path(sys.argv[1])
 deadline = time.monotonic() + 60
 while not gate.exists() and time.monotonic() < deadline:
     time.sleep(0.05)
 save(out / "step-2.safetensors")
 """
+)
+# Saves its checkpoint, then fails: with --restart on-failure it waits to be started again.
+FAILS = SAVE + "sys.exit(1)\n"
 
 
 def follower(bw: Bw, pulled: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -90,6 +103,10 @@ def test_a_box_whose_evidence_never_completes_is_never_torn_down(bw: Bw, tmp_pat
     proc = follower(bw, pulled, log)
     try:
         wait_until(lambda: "waiting for" in log.read_text() and "UNCLAIMABLE" in log.read_text(), timeout=60)
+        for blocked in (("up", NAME, "--profile", "local"), ("down", NAME, "--confirm", NAME)):
+            r = bw(*blocked)  # the follower holds the box: it says who it is and how to stop it
+            assert r.returncode != 0 and f"{NAME} is armed" in r.stderr, r.stderr
+            assert f"--when-safe` (pid {proc.pid}, since " in r.stderr and f"kill -INT {proc.pid}" in r.stderr
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
         assert proc.returncode == 130
@@ -100,3 +117,97 @@ def test_a_box_whose_evidence_never_completes_is_never_torn_down(bw: Bw, tmp_pat
     row = bw.json("status", NAME)["boxes"][0]
     assert row["status"] == "up" and (p["watch"] / "cell-a" / "step-1.safetensors").exists()
     assert "armed" not in bw("watch", NAME, "--once").stderr  # no longer followed
+    # A pid that is another process now (this test's own) never shows the box armed again.
+    state = State(bw.home)
+    state.put(state.get(NAME).with_(armed_pid=os.getpid(), armed_start=process_start(os.getpid()) + "0"))
+    state.close()
+    assert "armed" not in bw("watch", NAME, "--once").stderr
+
+
+def ended(proc: subprocess.Popen[bytes]) -> bytes:
+    """The follower's stdout once it ended by itself (killed if it did not within the deadline)."""
+    try:
+        out, _ = proc.communicate(timeout=180)
+        return out
+    finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_follower_outlives_a_refused_release_and_tears_down_once_it_passes(bw: Bw, tmp_path: Path) -> None:
+    bw.up(NAME)
+    argv = ["--restart", "on-failure", "--restart-backoff", "300", "--", sys.executable, "-c", FAILS]
+    r = bw("run", NAME, "--json", "--cell", "cell-a", *argv)
+    assert r.returncode == 0, r.stderr
+    job = json.loads(r.stdout)["id"]
+    bw.wait_durable(NAME, 1)
+    wait_until(lambda: bw.json("status", NAME)["boxes"][0]["jobs_running"] == 0, what="the job failed")
+    log, pulled = tmp_path / "follower.log", tmp_path / "pulled"
+    proc = follower(bw, pulled, log)
+    try:
+        # The gate passes (no job runs), the release refuses: the job waits to be started again.
+        wait_until(lambda: "waiting to be started again" in log.read_text(), timeout=60, what="the refusal")
+        assert "waiting for the release: JOB_RUNNING" in log.read_text()
+        assert proc.poll() is None, log.read_text()  # still following
+        assert bw.json("status", NAME)["boxes"][0]["status"] == "up"
+        bw.ok("stop", NAME, job)  # it will not be started again: now the release passes
+        out = ended(proc)
+    finally:
+        stop(proc)
+    assert proc.returncode == 0, log.read_text()
+    assert json.loads(out)["teardown"]["gone"] is True
+    assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
+
+
+def test_what_can_never_pass_is_refused_at_once(bw: Bw, tmp_path: Path) -> None:
+    p = bw.up(NAME)
+    arm = ("down", NAME, "--confirm", NAME, "--when-safe", "--poll", "0.3")
+    inside = p["watch"] / "pulled"
+    r = bw(*arm, "--pull-to", str(inside), timeout=60)
+    assert r.returncode == 2 and f"--pull-to {inside}: the pulled tree" in r.stderr, r.stderr
+    assert "is inside the box's watched directory" in r.stderr
+    pulled = tmp_path / "pulled"
+    r = bw(*arm, "--pull-to", str(pulled), timeout=60)  # nothing ran, nothing is in its watched dir
+    assert r.returncode == 3 and "an empty run never passes the gate" in r.stderr, r.stderr
+    assert "--allow-empty" in r.stderr and bw.json("status", NAME)["boxes"][0]["status"] == "up"
+    doc = bw.json(*arm, "--pull-to", str(pulled), "--allow-empty")
+    assert doc["teardown"]["gone"] is True
+
+
+def test_a_sigterm_says_what_is_left_and_arming_again_continues_the_teardown(bw: Bw, tmp_path: Path) -> None:
+    p = bw.up(NAME)
+    save_weights(p["watch"] / "cell-a" / "step-1.safetensors")
+    bw.wait_durable(NAME, 1)
+    # What a SIGTERM during the release leaves: the release requested, the box tearing down.
+    state = State(bw.home)
+    state.step(state.get(NAME).with_(status="tearing-down"), RELEASE, "no answer yet")
+    link = p["watch"] / "cell-a" / "link.pt"
+    os.symlink("/etc/hostname", link)  # unclaimable: the gate refuses while it is there
+    log, pulled = tmp_path / "follower.log", tmp_path / "pulled"
+    proc = follower(bw, pulled, log)
+    try:
+        wait_until(lambda: "UNCLAIMABLE" in log.read_text(), timeout=60, what="the follower to wait")
+        assert "armed" in bw("watch", NAME, "--once").stderr
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    assert proc.returncode == 128 + signal.SIGTERM, log.read_text()
+    said = " ".join(log.read_text().split())
+    assert "its teardown did not finish: release of box-side copies requested" in said
+    assert f"`boxwarden down {NAME} --confirm {NAME}` continues it" in said
+    assert "armed" not in bw("watch", NAME, "--once").stderr
+    state.close()
+
+    link.unlink()
+    proc = follower(bw, pulled, log)
+    out = ended(proc)
+    assert proc.returncode == 0, log.read_text()
+    assert json.loads(out)["teardown"]["gone"] is True
+    assert "nothing left" not in log.read_text()
+    assert bw.json("status", NAME)["boxes"][0]["status"] == "down"

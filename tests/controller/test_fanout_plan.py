@@ -1,0 +1,135 @@
+"""What `fanout up` does to each box, decided before anything starts (controller.fanoutplan): cells
+matched by name, never by position; a finished cell never runs again unasked; a torn-down box stays
+down unless asked; a cell still on another box's queue moves only once that queue let it go."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from controller.errors import UsageError
+from controller.fanoutplan import DOWN, NEW, RESTART, UP, Seen, Settled, settle
+from controller.plan import Plan, parse_plan, plan_json
+
+BOXES = '[[box]]\nname = "f1"\nprofile = "local"\n\n[[box]]\nname = "f2"\nprofile = "local"\n\n'
+SPREAD = '[[cell]]\nname = "c1"\n\n[[cell]]\nname = "c2"\n\n[[cell]]\nname = "c3"\n'
+
+
+def plan_of(cells: str) -> Plan:
+    text = f'name = "sweep"\n[defaults]\ncommand = ["true"]\n\n{BOXES}{cells}'
+    return parse_plan(text, file="plan.toml", default_name="plan", base=Path("/"), known_profiles=("local",))
+
+
+def applied(plan: Plan) -> dict[str, Any]:
+    """The record of `plan` applied first (each box's cells as the plan spreads them)."""
+    return plan_json(plan)
+
+
+def by_box(s: Settled) -> dict[str, tuple[str, list[str], list[str]]]:
+    return {
+        bp.box.name: (bp.action, [c.name for c in bp.cells], [c.name for c in bp.queue]) for bp in s.boxes
+    }
+
+
+UP_BOTH = Seen({"f1": "up", "f2": "up"})
+
+
+def test_a_pinned_cell_added_at_the_top_moves_no_other_cell() -> None:
+    first = plan_of(SPREAD)
+    assert {b: [c.name for c in cs] for b, cs in first.assignment().items()} == {
+        "f1": ["c1", "c3"],
+        "f2": ["c2"],
+    }
+    s = settle(plan_of('[[cell]]\nname = "c0"\nbox = "f1"\n\n' + SPREAD), applied(first), UP_BOTH)
+    assert by_box(s) == {"f1": (UP, ["c0", "c1", "c3"], ["c0", "c1", "c3"]), "f2": (UP, ["c2"], ["c2"])}
+    assert s.notes == []
+
+
+def test_new_cells_are_spread_over_the_boxes_that_will_run_only() -> None:
+    first = plan_of(SPREAD)
+    seen = Seen({"f1": "up", "f2": "down"})
+    s = settle(plan_of(SPREAD + '\n[[cell]]\nname = "c4"\n\n[[cell]]\nname = "c5"\n'), applied(first), seen)
+    assert by_box(s)["f1"] == (UP, ["c1", "c3", "c4", "c5"], ["c1", "c3", "c4", "c5"])
+    assert by_box(s)["f2"] == (DOWN, ["c2"], [])
+
+
+def test_a_torn_down_box_stays_down_and_its_cells_ended_with_it() -> None:
+    first = plan_of(SPREAD)
+    s = settle(first, applied(first), Seen({"f1": "up", "f2": "down"}))
+    assert by_box(s)["f2"] == (DOWN, ["c2"], [])
+    assert s.finished == {"c2": "f2"}
+    assert s.notes == [
+        "box f2: torn down, not started again (`fanout up --restart-box f2` starts it); "
+        "its cells c2 ended with it"
+    ]
+    with pytest.raises(UsageError, match="--restart-box f2: nothing would run on it"):
+        settle(first, applied(first), Seen({"f1": "up", "f2": "down"}), restart=["f2"])
+    with pytest.raises(UsageError, match="--rerun c2: its box f2 is torn down; add --restart-box f2"):
+        settle(first, applied(first), Seen({"f1": "up", "f2": "down"}), rerun=["c2"])
+    again = settle(first, applied(first), Seen({"f1": "up", "f2": "down"}), restart=["f2"], rerun=["c2"])
+    assert by_box(again)["f2"] == (RESTART, ["c2"], ["c2"])
+    assert "box f2: torn down, started again (--restart-box) for c2" in again.notes
+
+
+def test_a_box_started_again_does_not_run_what_finished_in_its_earlier_run() -> None:
+    first = plan_of(SPREAD)
+    record = {**applied(first), "finished": {"c2": "f2"}}  # learnt before f2 was torn down and started again
+    s = settle(plan_of(SPREAD + '\n[[cell]]\nname = "c4"\nbox = "f2"\n'), record, UP_BOTH)
+    assert by_box(s)["f2"] == (UP, ["c2", "c4"], ["c4"])
+    assert s.notes == ["cell c2: not run on f2: it finished on f2 (`--rerun c2` runs it again)"]
+
+
+def test_a_finished_cell_pinned_to_another_box_is_not_run_there_unless_asked() -> None:
+    first = plan_of(SPREAD)
+    moved = plan_of(SPREAD.replace('name = "c1"\n', 'name = "c1"\nbox = "f2"\n'))
+    seen = Seen({"f1": "up", "f2": "up"}, finished={"c1": "f1"})
+    s = settle(moved, applied(first), seen)
+    assert by_box(s)["f2"] == (UP, ["c1", "c2"], ["c2"])
+    assert "cell c1: not run on f2: it finished on f1 (`--rerun c1` runs it again)" in s.notes
+    assert [c.name for c in s.boxes[1].queue] == ["c2"]
+    asked = settle(moved, applied(first), seen, rerun=["c1"])
+    assert by_box(asked)["f2"] == (UP, ["c1", "c2"], ["c1", "c2"])
+    assert "cell c1: runs again on f2 (--rerun)" in asked.notes
+
+
+def test_a_rerun_on_the_box_whose_sidecar_holds_it_finished_says_how() -> None:
+    first = plan_of(SPREAD)
+    seen = Seen({"f1": "up", "f2": "up"}, finished={"c1": "f1"})
+    assert by_box(settle(first, applied(first), seen))["f1"] == (UP, ["c1", "c3"], ["c1", "c3"])
+    with pytest.raises(
+        UsageError, match=r"--rerun c1: c1 finished on f1, which is up.*boxwarden run f1 --cell c1"
+    ):
+        settle(first, applied(first), seen, rerun=["c1"])
+
+
+def test_a_cell_still_on_another_boxs_queue_moves_only_once_that_queue_let_it_go() -> None:
+    first = plan_of(SPREAD)
+    moved = plan_of(SPREAD.replace('name = "c3"\n', 'name = "c3"\nbox = "f2"\n'))
+    s = settle(moved, applied(first), Seen({"f1": "up", "f2": "up"}, busy={"f1": {"c3"}}))
+    f2 = s.boxes[1]
+    assert [c.name for c in f2.queue] == ["c2"] and f2.moving == {"c3"}
+    assert [c["name"] for c in f2.recorded()["cells"]] == ["c2"]  # not its own yet: shown again next time
+    assert "once that queue ended or was stopped (`boxwarden queue f1 sweep --stop`)" in f2.held["c3"]
+    asked = settle(moved, applied(first), Seen({"f1": "up", "f2": "up"}, busy={"f1": {"c3"}}), rerun=["c3"])
+    assert [c.name for c in asked.boxes[1].queue] == ["c2"]  # asked or not: never on two queues at once
+    silent = settle(moved, applied(first), Seen({"f1": "up", "f2": "up"}, silent={"f1": "no answer"}))
+    assert "whose queue cannot be read (no answer)" in silent.boxes[1].held["c3"]
+    free = settle(moved, applied(first), UP_BOTH)
+    assert [c.name for c in free.boxes[1].queue] == ["c2", "c3"]
+
+
+def test_what_cannot_be_met_is_refused_before_anything_starts() -> None:
+    first = plan_of(SPREAD)
+    with pytest.raises(UsageError, match="--rerun c9: no \\[\\[cell\\]\\] of plan sweep"):
+        settle(first, applied(first), UP_BOTH, rerun=["c9"])
+    with pytest.raises(UsageError, match="--restart-box f1: f1 is up, not torn down"):
+        settle(first, applied(first), UP_BOTH, restart=["f1"])
+    with pytest.raises(UsageError, match="--restart-box f1: f1 is new, not torn down"):
+        settle(first, None, Seen({}), restart=["f1"])
+    with pytest.raises(UsageError, match="cells c4 are new and every box of plan sweep is torn down"):
+        settle(
+            plan_of(SPREAD + '\n[[cell]]\nname = "c4"\n'), applied(first), Seen({"f1": "down", "f2": "down"})
+        )
+    assert [bp.action for bp in settle(first, None, Seen({})).boxes] == [NEW, NEW]
