@@ -147,7 +147,7 @@ class SidecarClient:
         try:
             call = make()
             resp = await call
-            return resp, Stamp.parse((await call.initial_metadata()).get(KEY))
+            return resp, await _stamp_of(call, ended=True)
         except grpc.aio.AioRpcError as e:
             raise translate(e, what) from e
 
@@ -380,19 +380,28 @@ class SidecarClient:
                 try:
                     item = await asyncio.wait_for(anext(it), timeout=idle_s)
                 except StopAsyncIteration:
-                    if not checked:
-                        self._check(Stamp.parse((await call.initial_metadata()).get(KEY)), what)
+                    if not checked:  # no message: the trailers may be all that came
+                        self._check(await _stamp_of(call, ended=True), what)
                     return
                 except TimeoutError as e:
                     raise SidecarUnreachable(f"{what}: the sidecar sent nothing for {idle_s:.0f}s") from e
                 if not checked:  # nothing of it is taken before it said who sends it
-                    self._check(Stamp.parse((await call.initial_metadata()).get(KEY)), what)
+                    self._check(await _stamp_of(call), what)
                     checked = True
                 yield item
         except grpc.aio.AioRpcError as e:
             raise translate(e, what) from e
         finally:
             call.cancel()
+
+
+async def _stamp_of(call: grpc.aio.Call, *, ended: bool = False) -> Stamp | None:
+    """Who an answer says sent it: its initial metadata, or, for a call that `ended`, its trailers
+    (the sidecar puts it in both: an answer with no message may come as trailers only)."""
+    said = (await call.initial_metadata()).get(KEY)
+    if said is None and ended:
+        said = (await call.trailing_metadata()).get(KEY)
+    return Stamp.parse(said)
 
 
 def lineage(pid: int | None = None) -> pb.Caller:

@@ -1,5 +1,7 @@
 """The server side of sidecar.stamp: an interceptor that sends the sidecar's identity as the initial
-metadata of every call, before the handler runs (so a refusal carries it too)."""
+metadata of every call, before the handler runs (so a refusal carries it too), and again in its
+trailing metadata: a stream that ends without a message may go out as trailers only, and under
+load grpc then sent no initial metadata at all."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ class Stamp(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
 
             async def unary(request: Any, context: Any) -> Any:
+                context.set_trailing_metadata(md)
                 await context.send_initial_metadata(md)
                 return await inner(request, context)
 
@@ -47,6 +50,7 @@ class Stamp(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
 
             async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+                context.set_trailing_metadata(md)
                 await context.send_initial_metadata(md)
                 async for item in inner(request, context):
                     yield item

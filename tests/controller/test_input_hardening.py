@@ -506,7 +506,7 @@ def test_an_up_interrupted_as_its_sidecar_answers_leaves_no_sidecar_running(
     steps ("sidecar seen gone"): a later `down` could continue that teardown without a gate."""
     box = record(bw)
     (bw.cwd / "ckpt").mkdir()
-    real_hello = bootstrap._hello
+    real_hello = bootstrap.answering
     answered: list[int] = []
 
     async def hello_then_ctrl_c(conn: LocalConnector, timeout_s: float) -> Any:
@@ -516,7 +516,7 @@ def test_an_up_interrupted_as_its_sidecar_answers_leaves_no_sidecar_running(
             raise KeyboardInterrupt  # the user's Ctrl-C, the moment the new sidecar answers
         return answer
 
-    monkeypatch.setattr(bootstrap, "_hello", hello_then_ctrl_c)
+    monkeypatch.setattr(bootstrap, "answering", hello_then_ctrl_c)
     with pytest.raises(KeyboardInterrupt):
         durable = str(Path(unquote(urlsplit(box.durable).path)))
         asyncio.run(
