@@ -262,13 +262,26 @@ def status(rows: Sequence[dict[str, object]]) -> None:
         words = max(len(w) for line in [*lines, title] for w in line.split())
         longest = max(map(len, lines), default=0)
         figures = longest if title in STATUS_FIGURES else 0
-        widths.append((max(len(title), longest), max(longest, words), max(figures, words), words))
-    fitted = fit_widths(widths, c.width - 2 * (len(widths) - 1))
+        # Last of all, a name (a box's, a profile's) gives up its middle: the other columns' words
+        # stay whole.
+        names = max(len(title), min(words, SHORTEST_NAME)) if i == 0 else words
+        widths.append((max(len(title), longest), max(longest, words), max(figures, words), words, names))
+    room = c.width - 2 * (len(widths) - 1)
+    fitted = fit_widths(widths, room)
     for title, width in zip(STATUS_COLUMNS, fitted, strict=True):
         t.add_column(title, width=width, overflow="fold")
+    shortened = False
     for row in cells:
-        t.add_row(*("\n".join(escape(line) for line in cell) for cell in row))
+        box = [shorten_middle(line, fitted[0]) for line in row[0]]
+        shortened = shortened or box != row[0]
+        t.add_row(*("\n".join(escape(line) for line in cell) for cell in [box, *row[1:]]))
+    if sum(fitted) > room:  # a terminal too narrow for the words: let it wrap the lines, whole
+        from rich.console import Console
+
+        c = Console(file=sys.stderr, highlight=False, soft_wrap=True, width=sum(fitted) + c.width - room)
     c.print(t)
+    if shortened:
+        c.print("(names shortened in their middle: `status --json` has them whole)")
     for n in notes:
         c.print(n)
     for r in rows:
@@ -291,11 +304,25 @@ def alert_lines(r: dict[str, object]) -> list[str]:
     return out
 
 
+SHORTEST_NAME = 12
+"""A box name is shortened (in its middle) to no fewer characters than this."""
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """`text` in `width` characters: its head, "…", and its tail (where the names of one fan-out's
+    boxes differ), favoured by a character."""
+    if len(text) <= width:
+        return text
+    keep = max(width - 1, 2)
+    head = (keep - 1) // 2
+    return f"{text[:head]}…{text[len(text) - (keep - head) :]}"
+
+
 def fit_widths(columns: Sequence[tuple[int, ...]], room: int) -> list[int]:
     """Column widths within `room`, from each column's natural width and the floors it may be
     narrowed to, in turn (wrapped titles; then cells wrapped at their spaces, a figure kept with its
-    unit; then only never through a word): at each floor the widest column gives a character at a
-    time; past the last floor, wider than `room`."""
+    unit; then only never through a word; then names shortened): at each floor the widest column
+    gives a character at a time; past the last floor, wider than `room`."""
     widths = [c[0] for c in columns]
     for floor in range(1, len(columns[0]) if columns else 0):
         while sum(widths) > room:
