@@ -3,7 +3,9 @@ output is one JSON document on stdout."""
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -102,6 +104,55 @@ def text_out(text: str) -> None:
 def raw_out(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.flush()
+
+
+def log_writer() -> Callable[[bytes], None]:
+    """Where a job's log goes: into a file or a pipe, its bytes as they are; on a terminal, as
+    `log_text` shows them."""
+    if not sys.stdout.isatty():
+        return raw_out
+    text = log_text()
+
+    def write(data: bytes) -> None:
+        sys.stdout.write(text(data))
+        sys.stdout.flush()
+
+    return write
+
+
+def log_text() -> Callable[[bytes], str]:
+    """A log's bytes, fed in chunks split anywhere, as text to show: every control escaped (`safe`),
+    and a line ending at a CR too, so that a progress bar's redraws are lines of their own and no
+    line overwrites one shown before it."""
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    held = ""  # a CR at a chunk's end: the LF of its CRLF may begin the next chunk
+
+    def text(data: bytes) -> str:
+        nonlocal held
+        got = held + decode(data)
+        held = "\r" if got.endswith("\r") else ""
+        got = got[: len(got) - len(held)].replace("\r\n", "\n").replace("\r", "\n")
+        return safe(got, multiline=True)
+
+    return text
+
+
+def event_line(rec: dict[str, object]) -> str:
+    """One event of the journal (`controller.events.record`) as `boxwarden events` shows it."""
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_number(rec.get("at_unix_ns")) / 1e9))
+    what = " ".join(str(rec.get(k) or "") for k in ("path", "job_id", "detail") if rec.get(k))
+    return safe(f"{_number(rec.get('seq')):>7}  {at}  {rec.get('kind', '')!s:<20} {what}")
+
+
+def _number(v: object) -> int:
+    return v if isinstance(v, int) else 0
+
+
+class SafeFormatter(logging.Formatter):
+    """Log records as `safe` text: a message may quote what the box said (a path, an error)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return safe(super().format(record), multiline=True)
 
 
 def human_bytes(n: float) -> str:
@@ -358,7 +409,7 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
     for p in listing.pending:
         warn(f"{safe(p.path)}: {states.get(p.state, 'pending')}: {safe(p.detail)}")
     if listing.excluded_files:
-        shown = ", ".join(safe(p) for p in listing.excluded_sample)
+        shown = ", ".join(esc(p) for p in listing.excluded_sample)
         more = " …" if listing.excluded_files > len(listing.excluded_sample) else ""
         info(f"{listing.excluded_files} files excluded by the patterns given at up: {shown}{more}")
 
