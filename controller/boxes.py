@@ -7,6 +7,7 @@ plain rows the renderer shows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -15,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
@@ -782,11 +784,31 @@ async def down(
 ) -> teardown.TeardownResult:
     profile = box_profile(box)
     async with reach.link(box) as conn:
-        async with SidecarClient(conn=conn) as c:
-            result = await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
-        if isinstance(conn, SshConnector):
-            await conn.exit_master()  # the box is torn down: its link goes too
-        return result
+        try:
+            async with SidecarClient(conn=conn) as c:
+                return await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
+        finally:
+            await end_link(conn)
+
+
+async def end_link(conn: Connector) -> None:
+    """Close the box's ControlMaster at a teardown's end, whatever the end (torn down, refused,
+    interrupted): a master left behind lives on in the background. A failure to close it hides no
+    other error."""
+    if isinstance(conn, SshConnector):
+        with contextlib.suppress(ControllerError):
+            await conn.exit_master()
+
+
+T = TypeVar("T")
+
+
+async def link_ended_after(box: Box, work: Awaitable[T]) -> T:
+    """`work` (a teardown step that may have used the box's link), then `end_link`, whatever its end."""
+    try:
+        return await work
+    finally:
+        await end_link(reach.connector_for(box))
 
 
 async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:

@@ -259,7 +259,8 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
             raise UsageError(
                 f"--resend-stop: {profile.name} has no stop command to send ({profile.meter_stop.mode})"
             )
-        result = asyncio.run(teardown.retry_meter(state, box, profile, manual_done, resend_stop=resend_stop))
+        retry = teardown.retry_meter(state, box, profile, manual_done, resend_stop=resend_stop)
+        result = asyncio.run(boxes.link_ended_after(box, retry))
         if as_json:
             render.json_out({"teardown": result.to_json()})
         else:
@@ -302,7 +303,11 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
         render.verdict(verdict, dry_run=False)
     if verdict.gone is not None:
         profile = boxes.box_profile(box)
-        result = asyncio.run(gone.down(state, box, verdict, profile, manual_done, o.durable_credentials))
+        result = asyncio.run(
+            boxes.link_ended_after(
+                box, gone.down(state, box, verdict, profile, manual_done, o.durable_credentials)
+            )
+        )
     else:
         result = asyncio.run(boxes.down(state, box, verdict, manual_done))
     if as_json:

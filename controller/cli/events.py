@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from controller import events, render
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import json_flag, open_state, stand_aside
 
 
 def _line(rec: dict[str, Any], as_json: bool) -> str:
@@ -25,6 +25,7 @@ def command(name: str, follow: bool, as_json: bool) -> None:
     """Print box NAME's event journal (one JSON object per line with --json)."""
     state = open_state()
     box = state.get(name)
+    stand_aside()
     for rec in state.events(box.name, box.run_id):
         render.text_out(_line(rec, as_json))
     try:

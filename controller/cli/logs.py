@@ -7,7 +7,7 @@ import asyncio
 import click
 
 from controller import boxes, render
-from controller.cli.options import open_state
+from controller.cli.options import open_state, stand_aside
 
 
 @click.command("logs")
@@ -18,6 +18,7 @@ def command(name: str, job_id: str, follow: bool) -> None:
     """Print the log of a job on box NAME: its bytes into a file or a pipe, on a terminal with every
     control character shown escaped (`| cat` shows them as they are)."""
     box = open_state().get(name)
+    stand_aside()
 
     write = render.log_writer()
 
