@@ -268,21 +268,50 @@ def find(
 
 def pipeline(callers: list[int], table: proctree.ProcTable, kids: dict[int, list[int]]) -> set[int]:
     """The other members of the command line the caller is part of (`boxwarden down NAME | tail`):
-    its shell's other children in its process group, when the shell made that group for this one
-    command line (job control: the caller's group is not the shell's). Without job control (a
-    script, `sh -c`) every command shares the shell's group, and a `python train.py &` there is
-    looked at like any other process; so is whatever a member started (only the shell's own
-    children are members), and the caller's own children."""
+    its shell's other children in its process group, joined to it by pipes (one to the next), when
+    the shell made that group for this one command line (job control: the caller's group is not
+    the shell's). Without job control (a script, `sh -c`) every command shares the shell's group,
+    and a `python train.py &` there is looked at like any other process; so is one a program put
+    in a group with the caller without a pipe between them, whatever a member started (only the
+    shell's own children are members), and the caller's own children."""
     if len(callers) < 2:
         return set()
     me, shell = table.procs.get(callers[0]), table.procs.get(callers[1])
     if me is None or shell is None or me.pgrp == shell.pgrp:
         return set()
-    return {
+    left = {
         k
         for k in kids.get(shell.pid, [])
         if k != me.pid and k in table.procs and table.procs[k].pgrp == me.pgrp and not table.procs[k].zombie
     }
+    pipes = {k: _pipes(k) for k in left}
+    joined = _pipes(me.pid)
+    members: set[int] = set()
+    while True:
+        found = {k for k in left if pipes[k] & joined}
+        if not found:
+            return members
+        members |= found
+        left -= found
+        for k in found:
+            joined |= pipes[k]
+
+
+def _pipes(pid: int) -> set[str]:
+    """The pipes process `pid` holds open ("pipe:[inode]"); none where its fds cannot be read."""
+    out: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            out.add(target)
+    return out
 
 
 def _tasks(pid: int) -> list[str]:

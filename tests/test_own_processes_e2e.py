@@ -117,6 +117,39 @@ def test_without_job_control_the_pipeline_is_looked_at(bw: Bw, tmp_path: Path) -
     assert found[1].endswith("(tail -n 1000"), found
 
 
+JOINS_THE_TRAINERS_GROUP = """
+import pathlib, subprocess, sys
+out = subprocess.DEVNULL
+trainer = subprocess.Popen(["sleep", "600"], cwd=sys.argv[1], process_group=0, stdout=out, stderr=out)
+pathlib.Path(sys.argv[2]).write_text(str(trainer.pid))
+sys.exit(subprocess.run(sys.argv[3:], process_group=trainer.pid).returncode)
+"""
+
+
+def test_a_trainer_whose_group_down_joins_is_no_member_of_its_command_line(bw: Bw, tmp_path: Path) -> None:
+    """A group of its own is not enough: a program that starts `down` in the group of a trainer it
+    started (no pipeline: no pipe joins them) must not exempt that trainer."""
+    settled(bw)
+    pid_file = tmp_path / "trainer.pid"
+    cli = [*CLI, "down", NAME, "--dry-run", "--json"]
+    try:
+        r = subprocess.run(
+            [sys.executable, "-c", JOINS_THE_TRAINERS_GROUP, str(bw.cwd), str(pid_file), *cli],
+            cwd=tmp_path,
+            env=bw.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        trainer = int(pid_file.read_text())
+        assert r.returncode == 3, r.stdout + r.stderr
+        (found,) = strays(r.stdout)
+        assert found["detail"].startswith(f"pid {trainer} (sleep 600) works in {bw.cwd}"), found
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 def test_a_control_master_started_in_a_local_boxs_workdir_works_in_root(remote: Remote) -> None:  # noqa: F811
     bw = remote.bw
     settled(bw)  # a local box whose workdir is where the commands run
