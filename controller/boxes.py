@@ -905,12 +905,9 @@ async def down(
     state: State, box: Box, verdict: gate.Verdict, manual_done: Callable[[str], Awaitable[bool]]
 ) -> teardown.TeardownResult:
     profile = box_profile(box)
-    async with reach.link(box) as conn:
-        async with reach.client(box, conn) as c:
-            result = await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
-        if isinstance(conn, SshConnector):
-            await conn.exit_master()  # the box is torn down: its link goes too
-        return result
+    # (the teardown closes the box's link at its end, however it ends)
+    async with reach.link(box) as conn, reach.client(box, conn) as c:
+        return await teardown.teardown(state, box, c, conn, verdict, profile, manual_done)
 
 
 async def logs(box: Box, job_id: str, follow: bool) -> AsyncIterator[bytes]:

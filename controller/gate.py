@@ -297,17 +297,19 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
     if live:
         for j in ev.jobs:
             reasons.append(Reason("JOB_RUNNING", detail=_job_line(ev.box, j)))
-        for x in ev.strays:
+        for x in ev.strays:  # never JOB_RUNNING: it is no job, and the user may not know it for one
             reasons.append(
                 Reason(
-                    "JOB_RUNNING",
+                    "STRAY_PROCESS",
                     detail=f"pid {x.pid} ({x.command[:60]}) {x.why or 'works in ' + x.cwd}, outside every "
                     "job's process tree: it may be writing for one (a tmux session, `at`, a trainer "
                     "started by hand); stop it, or if it is only your shell, leave that directory",
                 )
             )
-        running = [j.id for j in ev.jobs] + [f"pid {x.pid}" for x in ev.strays]
+        running = [j.id for j in ev.jobs]
         checks.append(Check("no job running", not running, ", ".join(running) or "none running"))
+        strays = [f"pid {x.pid}" for x in ev.strays]
+        checks.append(Check("no stray process", not strays, ", ".join(strays) or "none works there"))
         for p in ev.pending:
             reasons.append(
                 Reason(PENDING_CODES.get(p.state, "UNSEALED_WRITES"), path=p.path, detail=p.detail)

@@ -61,6 +61,7 @@ async def serve(box: Box, local_port: int, on_ready: Callable[[str, bool], None]
         stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
+        cwd="/",  # it runs until Ctrl-C: never in a local box's workdir, where it would be a stray
     )
     try:
         await _until_ready(proc, url, box)

@@ -8,6 +8,7 @@ what they use.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,6 +20,7 @@ from controller import identity, lastlist
 from controller.boxsource import pull
 from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector
+from controller.errors import ControllerError
 from controller.lastlist import Keeper
 from controller.pathtext import check_path_text
 from controller.pull import Progress, PullReport
@@ -51,14 +53,16 @@ def ssh_connector(
 
 
 async def end_link(box: Box) -> None:
-    """Close the box's ControlMaster, if one is up: the end of every `down`, whatever its outcome
-    (torn down, refused, interrupted), so that no login to a box outlives the command that judged it."""
+    """Close the box's ControlMaster, if one is up: the end of every `down` and teardown, whatever
+    its outcome (torn down, refused, interrupted), so that no login to a box outlives the command
+    that judged it. A failure to close it hides no other error."""
     from controller.ssh.connector import SshConnector
 
     conn = connector_for(box)
     try:
         if isinstance(conn, SshConnector):
-            await conn.exit_master()
+            with contextlib.suppress(ControllerError):
+                await conn.exit_master()
     finally:
         await conn.close()
 

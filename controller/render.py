@@ -3,7 +3,9 @@ output is one JSON document on stdout."""
 
 from __future__ import annotations
 
+import codecs
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -102,6 +104,55 @@ def text_out(text: str) -> None:
 def raw_out(data: bytes) -> None:
     sys.stdout.buffer.write(data)
     sys.stdout.flush()
+
+
+def log_writer() -> Callable[[bytes], None]:
+    """Where a job's log goes: into a file or a pipe, its bytes as they are; on a terminal, as
+    `log_text` shows them."""
+    if not sys.stdout.isatty():
+        return raw_out
+    text = log_text()
+
+    def write(data: bytes) -> None:
+        sys.stdout.write(text(data))
+        sys.stdout.flush()
+
+    return write
+
+
+def log_text() -> Callable[[bytes], str]:
+    """A log's bytes, fed in chunks split anywhere, as text to show: every control escaped (`safe`),
+    and a line ending at a CR too, so that a progress bar's redraws are lines of their own and no
+    line overwrites one shown before it."""
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
+    held = ""  # a CR at a chunk's end: the LF of its CRLF may begin the next chunk
+
+    def text(data: bytes) -> str:
+        nonlocal held
+        got = held + decode(data)
+        held = "\r" if got.endswith("\r") else ""
+        got = got[: len(got) - len(held)].replace("\r\n", "\n").replace("\r", "\n")
+        return safe(got, multiline=True)
+
+    return text
+
+
+def event_line(rec: dict[str, object]) -> str:
+    """One event of the journal (`controller.events.record`) as `boxwarden events` shows it."""
+    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(_number(rec.get("at_unix_ns")) / 1e9))
+    what = " ".join(str(rec.get(k) or "") for k in ("path", "job_id", "detail") if rec.get(k))
+    return safe(f"{_number(rec.get('seq')):>7}  {at}  {rec.get('kind', '')!s:<20} {what}")
+
+
+def _number(v: object) -> int:
+    return v if isinstance(v, int) else 0
+
+
+class SafeFormatter(logging.Formatter):
+    """Log records as `safe` text: a message may quote what the box said (a path, an error)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return safe(super().format(record), multiline=True)
 
 
 def human_bytes(n: float) -> str:
@@ -262,13 +313,26 @@ def status(rows: Sequence[dict[str, object]]) -> None:
         words = max(len(w) for line in [*lines, title] for w in line.split())
         longest = max(map(len, lines), default=0)
         figures = longest if title in STATUS_FIGURES else 0
-        widths.append((max(len(title), longest), max(longest, words), max(figures, words), words))
-    fitted = fit_widths(widths, c.width - 2 * (len(widths) - 1))
+        # Last of all, a name (a box's, a profile's) gives up its middle: the other columns' words
+        # stay whole.
+        names = max(len(title), min(words, SHORTEST_NAME)) if i == 0 else words
+        widths.append((max(len(title), longest), max(longest, words), max(figures, words), words, names))
+    room = c.width - 2 * (len(widths) - 1)
+    fitted = fit_widths(widths, room)
     for title, width in zip(STATUS_COLUMNS, fitted, strict=True):
         t.add_column(title, width=width, overflow="fold")
+    shortened = False
     for row in cells:
-        t.add_row(*("\n".join(escape(line) for line in cell) for cell in row))
+        box = [shorten_middle(line, fitted[0]) for line in row[0]]
+        shortened = shortened or box != row[0]
+        t.add_row(*("\n".join(escape(line) for line in cell) for cell in [box, *row[1:]]))
+    if sum(fitted) > room:  # a terminal too narrow for the words: let it wrap the lines, whole
+        from rich.console import Console
+
+        c = Console(file=sys.stderr, highlight=False, soft_wrap=True, width=sum(fitted) + c.width - room)
     c.print(t)
+    if shortened:
+        c.print("(names shortened in their middle: `status --json` has them whole)")
     for n in notes:
         c.print(n)
     for r in rows:
@@ -291,11 +355,25 @@ def alert_lines(r: dict[str, object]) -> list[str]:
     return out
 
 
+SHORTEST_NAME = 12
+"""A box name is shortened (in its middle) to no fewer characters than this."""
+
+
+def shorten_middle(text: str, width: int) -> str:
+    """`text` in `width` characters: its head, "…", and its tail (where the names of one fan-out's
+    boxes differ), favoured by a character."""
+    if len(text) <= width:
+        return text
+    keep = max(width - 1, 2)
+    head = (keep - 1) // 2
+    return f"{text[:head]}…{text[len(text) - (keep - head) :]}"
+
+
 def fit_widths(columns: Sequence[tuple[int, ...]], room: int) -> list[int]:
     """Column widths within `room`, from each column's natural width and the floors it may be
     narrowed to, in turn (wrapped titles; then cells wrapped at their spaces, a figure kept with its
-    unit; then only never through a word): at each floor the widest column gives a character at a
-    time; past the last floor, wider than `room`."""
+    unit; then only never through a word; then names shortened): at each floor the widest column
+    gives a character at a time; past the last floor, wider than `room`."""
     widths = [c[0] for c in columns]
     for floor in range(1, len(columns[0]) if columns else 0):
         while sum(widths) > room:
@@ -331,7 +409,7 @@ def artifacts(box: str, listing: pb.ListArtifactsResponse) -> None:
     for p in listing.pending:
         warn(f"{safe(p.path)}: {states.get(p.state, 'pending')}: {safe(p.detail)}")
     if listing.excluded_files:
-        shown = ", ".join(safe(p) for p in listing.excluded_sample)
+        shown = ", ".join(esc(p) for p in listing.excluded_sample)
         more = " …" if listing.excluded_files > len(listing.excluded_sample) else ""
         info(f"{listing.excluded_files} files excluded by the patterns given at up: {shown}{more}")
 

@@ -35,7 +35,7 @@ from controller.errors import ControllerError, GateRefused, Reason, SidecarRefus
 from controller.gate import Verdict
 from controller.meterstop import MeterResult
 from controller.profiles import Profile
-from controller.reach import connector_for, link
+from controller.reach import connector_for, end_link, link
 from controller.state import Box, State, Step
 
 RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_gone", "meter_stop"
@@ -404,7 +404,8 @@ async def audited(
     steps: Callable[[], Awaitable[None]],
 ) -> TeardownResult:
     """Run the teardown steps; whatever happens (Ctrl-C included), append the record to the audit
-    log. Only a teardown that ended with the meter settled marks the box down (and forgets its steps)."""
+    log and close the box's ControlMaster. Only a teardown that ended with the meter settled marks
+    the box down (and forgets its steps)."""
     try:
         await steps()
     except BaseException as e:
@@ -414,6 +415,8 @@ async def audited(
         record["result"] = result.to_json()
         state.audit(box.name, record)
         raise
+    finally:
+        await end_link(box)  # no login to the box outlives its teardown, however it ended
     record["result"] = result.to_json()
     result.audit_id = state.audit(box.name, record)
     state.set_teardown(box.with_(status="down"), {})

@@ -42,7 +42,7 @@ from sidecar.paths import ArtifactNamer
 from sidecar.priority import lower_this_thread
 from sidecar.probethread import ProbeThread
 from sidecar.queuerecord import CellEvidence, evidence_of
-from sidecar.release import Releaser
+from sidecar.release import Refusal, Releaser
 from sidecar.retention import Retainer
 from sidecar.rpcstamp import Stamp
 from sidecar.sealer import Sealer
@@ -192,20 +192,21 @@ def _write_pid(path: Path) -> None:
 
 async def jobs_in_the_way(
     jobs: JobSupervisor, waiting: Callable[[], list[str]], roots: list[str], caller: Caller | None
-) -> list[str]:
-    """Why a release may not delete now, a line each: running, starting and restarting jobs, cells
-    a queue will start, strays. The scan (off the loop) comes first; every list is then read at one
-    instant, so a job started while it ran is in one of them. A scan that does not answer is a
-    line too: nothing then shows that no job runs."""
+) -> list[Refusal]:
+    """Why a release may not delete now: running, starting and restarting jobs and cells a queue
+    will start (JOB_RUNNING), strays (STRAY_PROCESS). The scan (off the loop) comes first; every
+    list is then read at one instant, so a job started while it ran is in one of them. A scan that
+    does not answer is a JOB_RUNNING too: nothing then shows that no job runs."""
     try:
         found = await jobs.strays(roots, caller)  # scans /proc now: every job's membership too
     except PreconditionError as e:
-        return [str(e)]
+        return [Refusal("JOB_RUNNING", detail=str(e))]
     lines = [f"job {j.id} (pids {' '.join(map(str, j.live_pids or [j.pid]))})" for j in jobs.running()]
     lines += [f"job {job_id} (starting)" for job_id in jobs.starting()]
     lines += [f"job {job_id} (failed; waiting to be started again)" for job_id in jobs.restart_pending()]
     lines += waiting()
-    return lines + [stray_line(x) for x in found]
+    running = [Refusal("JOB_RUNNING", detail=line) for line in lines]
+    return running + [Refusal("STRAY_PROCESS", detail=stray_line(x)) for x in found]
 
 
 def _remove_own_pid(path: Path) -> None:
@@ -321,7 +322,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
     )
     retainer = Retainer(sealer, s.keep, protected=resumed_from)
 
-    async def running_jobs(caller: Caller | None) -> list[str]:
+    async def running_jobs(caller: Caller | None) -> list[Refusal]:
         return await jobs_in_the_way(jobs, queues.waiting, [str(d) for d in s.watch_dirs], caller)
 
     releaser = Releaser(sealer, running_jobs, pace)

@@ -64,9 +64,9 @@ class ReleaseResult:
     refused: list[Refusal] = field(default_factory=list)
 
 
-RunningJobs = Callable[["Caller | None"], Awaitable[list[str]]]  # (a string: 3.9 has no X | Y)
-"""A fresh answer: one line per job whose process tree still lives, and per stray process (see
-sidecar.strays); the argument is who asks (pb.Caller)."""
+RunningJobs = Callable[["Caller | None"], Awaitable[list[Refusal]]]  # (a string: 3.9 has no X | Y)
+"""A fresh answer: JOB_RUNNING per job whose process tree still lives (or that is about to start),
+STRAY_PROCESS per stray process, named (see sidecar.strays); the argument is who asks (pb.Caller)."""
 
 
 class Releaser:
@@ -135,7 +135,7 @@ class Releaser:
             refused.append(
                 Refusal("MANIFEST_STALE", detail="the box's claims changed since they were verified")
             )
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in await self._running_jobs(caller)]
+        refused += await self._running_jobs(caller)
         refused += [
             Refusal("NOT_DURABLE", c.path, c.push_error or "push not proven yet")
             for c in claims
@@ -173,7 +173,7 @@ class Releaser:
     async def _after(self, digest: str, result: ReleaseResult, caller: Caller | None) -> list[Refusal]:
         """What is on the box now that should stop the teardown."""
         refused = [Refusal("KEPT", k.split(": ", 1)[0], k.split(": ", 1)[-1]) for k in result.kept]
-        refused += [Refusal("JOB_RUNNING", detail=j) for j in await self._running_jobs(caller)]
+        refused += await self._running_jobs(caller)
         remaining = self._s.ledger.current_claims()
         kept = {k.split(": ", 1)[0] for k in result.kept}
         for c in remaining:

@@ -7,15 +7,15 @@ the user's own trainer started by hand (`nohup python train.py &` in the workdir
 process rarely hides is where it works.
 
 A stray is a live process, not a member of any job, not the sidecar's own and not the caller's
-(the controller running `down` on this machine, and an ancestor that only waits for it, such as
-its shell), whose working directory is the workdir, a job's cwd or a watched dir, or lies under
-one (compared by path and, for bind-mount aliases and other mount namespaces, by device and
-inode), or which holds any file or directory there open (a deleted one too, where its directory
-was: an O_TMPFILE may still be linked in; or registered with an io_uring, its fd closed), or
-maps one into memory (a MAP_SHARED mapping writes
-with its fd closed; an executable or library run from the workdir ties the process to it too), or
-watches a directory there through inotify or fanotify. Every thread counts: one that unshared its cwd or its
-file table is looked at too, and so does a process whose main thread exited while others run on.
+(the controller running `down` on this machine, the other members of its pipeline, and an ancestor
+that only waits for them, such as its shell), whose working directory is the workdir, a job's cwd
+or a watched dir, or lies under one (compared by path and, for bind-mount aliases and other mount
+namespaces, by device and inode), or which holds any file or directory there open (a deleted one
+too, where its directory was: an O_TMPFILE may still be linked in; or registered with an io_uring,
+its fd closed), or maps one into memory (a MAP_SHARED mapping writes with its fd closed; an
+executable or library run from the workdir ties the process to it too), or watches a directory
+there through inotify or fanotify. Every thread counts: one that unshared its cwd or its file table
+is looked at too, and so does a process whose main thread exited while others run on.
 The rule asks nothing else, so a shell left standing in the workdir (other than the one running
 `down`) holds the gate too: its line says to leave.
 Processes whose /proc entries cannot be read (other users') are not strays: their open files still
@@ -228,7 +228,7 @@ def find(
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
     `caller`: the controller's process then its ancestors (a local box; as far as `believed`): the
-    first is not a stray
+    first is not a stray, nor are the other members of its `pipeline`
     (its own children, none of which works in a watched dir, are: a process the shell started
     before it exec'd the controller is the controller's child too), nor is an ancestor whose every
     thread waits for a child and whose one live child is the next on the way to the controller (a
@@ -240,12 +240,15 @@ def find(
     if callers:
         skip.add(callers[0])
         kids = table.children()
+        others = pipeline(callers, table, kids)
+        skip |= others
         for i in range(1, len(callers)):  # (zip's strict= is not in 3.9)
             pid, child = callers[i], callers[i - 1]
-            # It waits for the one child that leads to the controller, and for nothing else: a
-            # thread that waits for an eval step it started runs on (and saves) when that ends.
+            # It waits for the one child that leads to the controller (and the shell for the rest
+            # of its pipeline), and for nothing else: a thread that waits for an eval step it
+            # started runs on (and saves) when that ends.
             live = [k for k in kids.get(pid, []) if k in table.procs and not table.procs[k].zombie]
-            if live == [child] and _only_waits(pid):
+            if [k for k in live if k not in others] == [child] and _only_waits(pid):
                 skip.add(pid)
     where = _Roots(roots, watched)
     out = []
@@ -261,6 +264,54 @@ def find(
         if why:
             out.append(Stray(p.pid, _command(p.pid), cwd, ticks_to_unix_ns(p.start_ticks), why))
     return sorted(out, key=lambda s: s.pid)
+
+
+def pipeline(callers: list[int], table: proctree.ProcTable, kids: dict[int, list[int]]) -> set[int]:
+    """The other members of the command line the caller is part of (`boxwarden down NAME | tail`):
+    its shell's other children in its process group, joined to it by pipes (one to the next), when
+    the shell made that group for this one command line (job control: the caller's group is not
+    the shell's). Without job control (a script, `sh -c`) every command shares the shell's group,
+    and a `python train.py &` there is looked at like any other process; so is one a program put
+    in a group with the caller without a pipe between them, whatever a member started (only the
+    shell's own children are members), and the caller's own children."""
+    if len(callers) < 2:
+        return set()
+    me, shell = table.procs.get(callers[0]), table.procs.get(callers[1])
+    if me is None or shell is None or me.pgrp == shell.pgrp:
+        return set()
+    left = {
+        k
+        for k in kids.get(shell.pid, [])
+        if k != me.pid and k in table.procs and table.procs[k].pgrp == me.pgrp and not table.procs[k].zombie
+    }
+    pipes = {k: _pipes(k) for k in left}
+    joined = _pipes(me.pid)
+    members: set[int] = set()
+    while True:
+        found = {k for k in left if pipes[k] & joined}
+        if not found:
+            return members
+        members |= found
+        left -= found
+        for k in found:
+            joined |= pipes[k]
+
+
+def _pipes(pid: int) -> set[str]:
+    """The pipes process `pid` holds open ("pipe:[inode]"); none where its fds cannot be read."""
+    out: set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            out.add(target)
+    return out
 
 
 def _tasks(pid: int) -> list[str]:

@@ -349,7 +349,7 @@ def test_a_job_that_hands_its_work_to_a_running_tmux_server_keeps_down_refused(b
 
         def stray() -> dict[str, Any] | None:
             doc = dry(bw)
-            jobs = [r for r in doc["reasons"] if r["code"] == "JOB_RUNNING"]
+            jobs = [r for r in doc["reasons"] if r["code"] == "STRAY_PROCESS"]
             return doc if any("sleep 600" in r["detail"] and "tmux" in r["detail"] for r in jobs) else None
 
         doc = wait_until(stray, what="the tmux session's process to be named")
@@ -424,7 +424,7 @@ def test_a_process_working_in_the_workdir_holds_the_gate_job_or_not(bw: Bw) -> N
 
             def named(pid: int = proc.pid, why: str = why) -> bool:
                 return any(
-                    r["code"] == "JOB_RUNNING" and f"pid {pid} " in r["detail"] and why in r["detail"]
+                    r["code"] == "STRAY_PROCESS" and f"pid {pid} " in r["detail"] and why in r["detail"]
                     for r in dry(bw)["reasons"]
                 )
 

@@ -22,7 +22,7 @@ from tests.conftest import Bw, pid_alive, wait_until
 from tests.controller.test_meter_stop import fake_profile
 from tests.sidecar.test_openfiles import mapped, registered
 from tests.test_review4_e2e import NAME, dry, pulled_box, up_args
-from tests.test_review7_e2e import running_reasons, settled
+from tests.test_review7_e2e import settled, stray_reasons
 
 
 def test_a_process_writing_a_checkpoint_through_a_mapping_holds_the_gate(bw: Bw) -> None:
@@ -36,7 +36,7 @@ def test_a_process_writing_a_checkpoint_through_a_mapping_holds_the_gate(bw: Bw)
         # The scan sees the writer itself: no "cannot tell" that hangs on other processes.
         writes = [r for r in report["reasons"] if r["code"] == "UNSEALED_WRITES"]
         assert writes == [{"code": "UNSEALED_WRITES", "detail": "open for writing", "path": "a.bin"}]
-        (reason,) = running_reasons(bw)
+        (reason,) = stray_reasons(bw)
         assert f"pid {pid} " in reason["detail"] and f"maps {target} into memory" in reason["detail"]
     # Once the mapping is gone the file is sealed again (its last write event was before the
     # mapping went: the rescan finds it), and only then may `down` pass.
@@ -137,7 +137,7 @@ def test_an_ancestor_whose_other_thread_waits_for_its_own_child_is_a_stray(tmp_p
     )
     doc = json.loads(out.read_text())
     assert r.returncode == 3 and doc["allowed"] is False, doc
-    (reason,) = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+    (reason,) = [x for x in doc["reasons"] if x["code"] == "STRAY_PROCESS"]
     assert f"works in {p['watch']}" in reason["detail"]
 
 
@@ -146,7 +146,7 @@ def test_a_process_holding_the_watched_dir_in_an_io_uring_holds_the_gate(bw: Bw)
     table of a process working in /."""
     p = settled(bw)
     with registered(p["watch"], "d") as pid:
-        (reason,) = running_reasons(bw)
+        (reason,) = stray_reasons(bw)
         assert f"pid {pid} " in reason["detail"]
         assert f"holds {p['watch']} open through an io_uring" in reason["detail"]
     assert dry(bw)["allowed"] is True
@@ -216,7 +216,7 @@ def test_a_controller_in_another_pid_namespace_exempts_nobody_with_its_numbers(b
         )
         doc = json.loads(r.stdout)
         assert doc["allowed"] is False, r.stdout + r.stderr
-        (reason,) = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+        (reason,) = [x for x in doc["reasons"] if x["code"] == "STRAY_PROCESS"]
         assert f"pid {trainer.pid} " in reason["detail"]
     finally:
         trainer.kill()

@@ -288,10 +288,10 @@ def test_a_process_in_another_mount_namespace_working_in_the_watched_dir_is_a_st
 
         def stray_seen() -> dict[str, Any] | None:
             doc = dry(bw)
-            return doc if any(r["code"] == "JOB_RUNNING" for r in doc["reasons"]) else None
+            return doc if any(r["code"] == "STRAY_PROCESS" for r in doc["reasons"]) else None
 
         doc = wait_until(stray_seen, what="the process in the other namespace seen as a stray")
-        (reason,) = [r for r in doc["reasons"] if r["code"] == "JOB_RUNNING"]
+        (reason,) = [r for r in doc["reasons"] if r["code"] == "STRAY_PROCESS"]
         assert f"works in {inside}" in reason["detail"]
     finally:
         proc.kill()
@@ -327,7 +327,7 @@ def test_a_thread_working_in_the_watched_dir_is_a_stray(tmp_path: Path, bw: Bw, 
     proc = subprocess.Popen([sys.executable, "-c", THREAD_STRAY, str(flag), str(p["watch"]), str(ready)])
     try:
         wait_until(ready.exists, what="the thread in the watched dir")
-        reasons = [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
+        reasons = [r for r in dry(bw)["reasons"] if r["code"] == "STRAY_PROCESS"]
         assert len(reasons) == 1 and f"pid {proc.pid} " in reasons[0]["detail"], reasons
         assert f"{why} {p['watch']}" in reasons[0]["detail"] and "(thread " in reasons[0]["detail"]
     finally:

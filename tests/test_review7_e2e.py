@@ -31,6 +31,10 @@ def running_reasons(bw: Bw) -> list[dict[str, Any]]:
     return [r for r in dry(bw)["reasons"] if r["code"] == "JOB_RUNNING"]
 
 
+def stray_reasons(bw: Bw) -> list[dict[str, Any]]:
+    return [r for r in dry(bw)["reasons"] if r["code"] == "STRAY_PROCESS"]
+
+
 def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.kill()
     proc.wait()
@@ -144,7 +148,7 @@ def test_a_process_whose_main_thread_exited_is_still_a_stray(tmp_path: Path, bw:
         wait_until(
             lambda: Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z", what="Z"
         )
-        (reason,) = running_reasons(bw)
+        (reason,) = stray_reasons(bw)
         assert f"pid {proc.pid} " in reason["detail"] and f"works in {p['watch']}" in reason["detail"]
     finally:
         kill(proc)
@@ -168,7 +172,7 @@ def test_a_process_holding_an_anonymous_file_in_the_watched_dir_is_a_stray(tmp_p
     proc = subprocess.Popen([sys.executable, "-c", HOLDS_A_TMPFILE, str(p["watch"]), str(ready)])
     try:
         wait_until(ready.exists, what="the anonymous file")
-        (reason,) = running_reasons(bw)
+        (reason,) = stray_reasons(bw)
         assert f"pid {proc.pid} " in reason["detail"] and f"holds {p['watch']}/#" in reason["detail"]
         assert "(deleted)" in reason["detail"]
     finally:
@@ -201,7 +205,7 @@ def test_an_ancestor_that_runs_on_while_down_runs_is_a_stray(bw: Bw) -> None:
         check=True,
     )
     doc = json.loads(r.stdout)
-    reasons = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+    reasons = [x for x in doc["reasons"] if x["code"] == "STRAY_PROCESS"]
     assert len(reasons) == 1 and f"works in {p['watch']}" in reasons[0]["detail"], doc
     # A shell standing in the watched dir that runs `down` only waits for it: not a stray.
     shell = subprocess.run(
@@ -277,7 +281,7 @@ def test_a_watched_dir_held_open_under_another_name_makes_a_stray(
     ns = "here" if where == "alias" else "namespace"
     with aliased(bw.cwd, alias, ns, HOLDS_OPEN, f"{alias}/{held}", str(ready)) as proc:
         wait_until(ready.exists, what="the process holding it")
-        (reason,) = running_reasons(bw)
+        (reason,) = stray_reasons(bw)
         assert f"pid {proc.pid} " in reason["detail"] and f"holds {alias}/{held} open" in reason["detail"]
 
 
@@ -310,7 +314,7 @@ def test_a_bind_mount_of_a_watched_subdirectory_is_seen_as_the_watched_dir(
     alias.mkdir()
     with aliased(sub, alias, ns, WORKS_OR_HOLDS, how, str(alias), str(ready)) as proc:
         wait_until(ready.exists, what="the process in the alias")
-        (reason,) = wait_until(lambda: running_reasons(bw), what="it counted")
+        (reason,) = wait_until(lambda: stray_reasons(bw), what="it counted")
         assert f"pid {proc.pid} " in reason["detail"] and str(alias) in reason["detail"], reason
 
 
@@ -331,7 +335,7 @@ def test_a_process_the_shell_started_before_it_execd_down_is_a_stray(tmp_path: P
     sleeper = int(pid_file.read_text())
     try:
         doc = json.loads(r.stdout)
-        reasons = [x for x in doc["reasons"] if x["code"] == "JOB_RUNNING"]
+        reasons = [x for x in doc["reasons"] if x["code"] == "STRAY_PROCESS"]
         assert len(reasons) == 1 and f"pid {sleeper} (sleep 600)" in reasons[0]["detail"], doc
     finally:
         os.kill(sleeper, signal.SIGKILL)
@@ -440,7 +444,7 @@ def test_a_process_watching_a_watched_dir_with_inotify_is_a_stray(
     proc = subprocess.Popen([sys.executable, "-c", WATCHES, str(bw.cwd / watched), str(ready)])
     try:
         wait_until(ready.exists, what="the watch")
-        (reason,) = wait_until(lambda: running_reasons(bw), what="it counted")
+        (reason,) = wait_until(lambda: stray_reasons(bw), what="it counted")
         assert f"pid {proc.pid} " in reason["detail"] and "watches a directory there" in reason["detail"]
     finally:
         kill(proc)

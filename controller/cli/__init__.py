@@ -111,7 +111,9 @@ def cli(verbose: int) -> None:
     pulls the bytes home, verifies them, and lets `down` stop the meter only when nothing can be lost.
     """
     level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(render.SafeFormatter("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=max(level, logging.DEBUG), handlers=[handler])
 
 
 def main() -> None:

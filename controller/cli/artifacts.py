@@ -14,7 +14,7 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from controller import lastlist, reach, render
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import json_flag, open_state, stand_aside
 
 
 @click.command("artifacts")
@@ -25,6 +25,7 @@ def command(name: str, as_json: bool) -> None:
     state = open_state()
     box = state.get(name)
     keep = lastlist.keeper(state, box)  # the list is kept: evidence for when the box is gone
+    stand_aside()
     if not as_json:
         render.artifacts(name, asyncio.run(reach.artifacts(box, keep)))
     elif tuple(f.name for f in pb.Claim.DESCRIPTOR.fields) == _CLAIM_FIELDS:

@@ -326,6 +326,7 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
             raise UsageError(
                 f"--resend-stop: {profile.name} has no stop command to send ({profile.meter_stop.mode})"
             )
+        # (the `down` that called this closes the box's link at its end, whatever the end)
         result = asyncio.run(teardown.retry_meter(state, box, profile, manual_done, resend_stop=resend_stop))
         if as_json:
             render.json_out({"teardown": result.to_json()})

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import click
 
-from controller import events
-from controller.cli.options import json_flag, open_state
+from controller import events, render
+from controller.cli.options import json_flag, open_state, stand_aside
 
 
 def _line(rec: dict[str, Any], as_json: bool) -> str:
-    if as_json:
-        return json.dumps(rec, sort_keys=True)
-    at = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["at_unix_ns"] / 1e9))
-    what = " ".join(x for x in (rec.get("path", ""), rec.get("job_id", ""), rec.get("detail", "")) if x)
-    return f"{rec['seq']:>7}  {at}  {rec['kind']:<20} {what}"
+    # json.dumps writes every control and non-ASCII character as an escape: the text intact, as data.
+    return json.dumps(rec, sort_keys=True) if as_json else render.event_line(rec)
 
 
 @click.command("events")
@@ -29,9 +25,12 @@ def command(name: str, follow: bool, as_json: bool) -> None:
     """Print box NAME's event journal (one JSON object per line with --json)."""
     state = open_state()
     box = state.get(name)
+    stand_aside()
     for rec in state.events(box.name, box.run_id):
-        click.echo(_line(rec, as_json))
+        render.text_out(_line(rec, as_json))
     try:
-        asyncio.run(events.fetch(state, box, follow=follow, on_event=lambda r: click.echo(_line(r, as_json))))
+        asyncio.run(
+            events.fetch(state, box, follow=follow, on_event=lambda r: render.text_out(_line(r, as_json)))
+        )
     except KeyboardInterrupt:
         return

@@ -7,7 +7,7 @@ import asyncio
 import click
 
 from controller import metrics, render
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import json_flag, open_state, stand_aside
 
 
 @click.command("metrics")
@@ -26,6 +26,7 @@ def command(name: str, port: int | None, as_json: bool) -> None:
     127.0.0.1:PORT here; it runs until Ctrl-C (point Prometheus at the URL meanwhile).
     """
     box = open_state().get(name)
+    stand_aside()
 
     def ready(url: str, forwarded: bool) -> None:
         if as_json:

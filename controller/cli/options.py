@@ -35,8 +35,16 @@ roster_option = click.option(
 
 
 def open_state() -> State:
-    """The controller state under $BOXWARDEN_HOME (default: the XDG state dir)."""
-    return State(default_home(os.environ))
+    """The controller state under $BOXWARDEN_HOME (default: the XDG state dir), by its absolute
+    path: a command may leave the directory it was started in (`stand_aside`)."""
+    return State(default_home(os.environ).absolute())
+
+
+def stand_aside() -> None:
+    """Leave the user's directory for "/", once every path argument is resolved: a read-only
+    command (status, watch, events -f, ...) may run on in a local box's workdir, and that box's
+    sidecar counts any process standing there as a stray that holds `down`."""
+    os.chdir("/")
 
 
 def _checked_credentials(ctx: click.Context, param: click.Parameter, value: Path | None) -> Path | None:

@@ -8,7 +8,7 @@ import click
 
 from controller import profiles as profile_data
 from controller import render
-from controller.cli.options import json_flag
+from controller.cli.options import json_flag, stand_aside
 
 
 @click.group("profiles")
@@ -20,6 +20,7 @@ def command() -> None:
 @json_flag
 def list_(as_json: bool) -> None:
     """Every shipped profile, one line each."""
+    stand_aside()
     loaded = [profile_data.load(n) for n in profile_data.available()]
     if as_json:
         render.json_out({"profiles": [render.profile_summary(p) for p in loaded]})
@@ -36,6 +37,7 @@ def list_(as_json: bool) -> None:
 def show(name: str | None, profile_file: Path | None, as_json: bool) -> None:
     """One profile in full: the tiers and what survives, the meter stop, spot, danger clocks."""
     p = profile_data.resolve(name, profile_file)
+    stand_aside()
     if as_json:
         render.json_out(render.profile_json(p))
     else:

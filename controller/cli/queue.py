@@ -9,7 +9,7 @@ import asyncio
 import click
 
 from controller import queues, queueview, render
-from controller.cli.options import grace_option, json_flag, open_state, queue_timeout_option
+from controller.cli.options import grace_option, json_flag, open_state, queue_timeout_option, stand_aside
 from controller.errors import UsageError
 
 
@@ -34,6 +34,7 @@ def command(
     if wait and stop:
         raise UsageError("give either --wait or --stop")
     box = open_state().get(name)
+    stand_aside()
     if not queue_name:
         qs = asyncio.run(queues.list_queues(box, brief=True))
         if as_json:

@@ -8,7 +8,7 @@ import asyncio
 import click
 
 from controller import boxes, render, teardown
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import json_flag, open_state, stand_aside
 
 
 @click.command("status")
@@ -17,6 +17,7 @@ from controller.cli.options import json_flag, open_state
 def command(names: tuple[str, ...], as_json: bool) -> None:
     """Show every box (or the named ones): sidecar, jobs, claims, durable state, disk."""
     state = open_state()
+    stand_aside()
     rows = []
     for s in asyncio.run(boxes.status(state, names)):
         row = s.row()

@@ -197,7 +197,8 @@ def command(
                 exclude=exclude,
                 host=host,
                 ssh_options=ssh_options,
-                ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
+                # Absolute: the ssh processes run in "/" (controller.ssh.master).
+                ssh_config=os.path.abspath(c) if (c := os.environ.get("BOXWARDEN_SSH_CONFIG")) else "",
                 box_index=box_index,
                 state_on_durable=state_on_durable,
                 durable_credentials=durable_credentials,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from controller import fleetops, plan, render, watchview
-from controller.cli.options import open_state
+from controller.cli.options import open_state, stand_aside
 from controller.errors import UsageError
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ def command(targets: tuple[str, ...], interval: float, once: bool, idle_minutes:
     boxes = [state.get(n) for n in names] if names else fleetops.live_boxes(state)
     if not boxes:
         raise UsageError("no box is up: `boxwarden up NAME ...` or `boxwarden fanout up PLAN` first")
+    stand_aside()
     from rich.console import Console
     from rich.live import Live
 

@@ -78,7 +78,8 @@ class SshConnector:
         timeout_s: float | None = 60.0,
     ) -> Completed:
         logger.debug("ssh: %s", " ".join(argv))
-        # start_new_session: a Ctrl-C of the CLI reaches ssh through us, not by itself.
+        # start_new_session: a Ctrl-C of the CLI reaches ssh through us, not by itself. In "/", as
+        # every ssh of ours: never in a local box's workdir (see master._start).
         return await run_process(
             argv,
             stdin=stdin,
@@ -86,6 +87,7 @@ class SshConnector:
             timeout_s=timeout_s,
             what=f"ssh to {self.dest.dest}",
             new_session=True,
+            cwd="/",
         )
 
     async def master_pid(self) -> int | None:
@@ -134,6 +136,7 @@ class SshConnector:
                     stdout=asyncio.subprocess.DEVNULL,
                     stderr=log,
                     start_new_session=True,
+                    cwd="/",
                 )
             finally:
                 os.close(log)

@@ -107,6 +107,7 @@ def master_pid(dest: sshargv.Destination, control: str) -> int | None:
             timeout=CHECK_TIMEOUT_S,
             check=False,
             start_new_session=True,
+            cwd="/",
         )
     except subprocess.TimeoutExpired:
         return None
@@ -147,13 +148,16 @@ def _start(dest: sshargv.Destination, paths: LinkPaths, forward_to: str) -> None
     try:
         # The master runs on in the background with our stderr: a file, never a pipe (a pipe
         # would stay open, and a reader would wait for its end forever). Its own session: a
-        # Ctrl-C of the CLI must not end the master the next command will use.
+        # Ctrl-C of the CLI must not end the master the next command will use. In "/": it
+        # outlives this command, and where it ran may be a local box's workdir, whose sidecar
+        # counts any process standing there as a stray.
         proc = subprocess.Popen(
             sshargv.master(dest, paths.control, fwd),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=log,
             start_new_session=True,
+            cwd="/",
         )
     finally:
         os.close(log)

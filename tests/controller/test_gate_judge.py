@@ -43,6 +43,12 @@ CASES: list[tuple[str, Evidence, list[Reason], set[str]]] = [
     ("stale marker", with_(clean(), marker_digest="c" * 64), [], {"MANIFEST_STALE"}),
     ("no marker", with_(clean(), marker_digest=""), [], {"NOT_VERIFIED"}),
     ("job running", with_(clean(), jobs=[pb.Job(id="j1", pid=5, live_pids=[5, 6])]), [], {"JOB_RUNNING"}),
+    (  # issue 25, finding 5: a process outside every job is named, and never called a job
+        "stray process",
+        with_(clean(), strays=[pb.Stray(pid=7, command="tail -f log", cwd="/w", why="works in /w")]),
+        [],
+        {"STRAY_PROCESS"},
+    ),
     (
         "not durable",
         with_(

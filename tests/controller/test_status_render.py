@@ -267,3 +267,54 @@ def test_active_alerts_and_stale_probes_are_printed_under_the_table(
     assert "\x1b[2J" not in text
     assert "exp1: no fresh reading from host" in text
     assert not [line for line in lines if line.startswith("quiet:")]
+
+
+LONG_NAME = "ablation-sweep-lr3e-4-wd0.1-warmup500-seed1234-node-" + "c" * 12  # 64 characters
+
+
+def test_a_long_box_name_never_breaks_a_status_word_at_80_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 25, finding 8: a 64-character name left too little room, and rich broke the words of
+    the other columns (`UNREACHABL` / `E`). The name is shortened in its middle; no word breaks."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert len(LONG_NAME) == 64
+    unreachable = {"box": LONG_NAME, "profile": "generic-ssh", "status": "up", "unreachable": True}
+    rows = [
+        row(LONG_NAME, proofs={"reread": 3, "server-checksum": 1}, durable_only=2),
+        unreachable,
+        *(
+            {"box": LONG_NAME, "profile": "local", "status": s}
+            for s in ("down", "tearing-down", "meter-unproven")
+        ),
+    ]
+    render.status(rows)
+    lines = printed(capsys)
+    table = [line for line in lines if not line.startswith(LONG_NAME)]  # the notes say the name whole
+    assert all(len(line) <= 80 for line in table), [len(x) for x in table]
+    words = " ".join(table).split()
+    for word in ("UNREACHABLE", "down", "tearing-down", "meter-unproven", "0.1.0", "generic-ssh",
+                 "server-checksum", "durable-only", "running", "reread"):  # fmt: skip
+        assert word in words, "\n".join(lines)
+    shown = {w for w in words if "…" in w}
+    assert len(shown) == 1, "\n".join(lines)
+    (short,) = shown
+    head, tail = short.split("…")
+    assert LONG_NAME.startswith(head) and LONG_NAME.endswith(tail) and len(tail) >= 8, short
+
+
+def test_a_name_is_shortened_only_when_nothing_else_makes_room() -> None:
+    assert render.shorten_middle("exp1", 10) == "exp1"
+    assert render.shorten_middle("abcdefghijklmnop", 10) == "abcd…lmnop"
+
+
+def test_a_terminal_too_narrow_for_the_words_gets_them_whole(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "50")
+    render.status(
+        [row(LONG_NAME, proofs={"reread": 3, "server-checksum": 1}), {"box": "b", "status": "meter-unproven"}]
+    )
+    words = " ".join(printed(capsys)).split()
+    for word in ("meter-unproven", "server-checksum", "running", "MiB/s"):
+        assert word in words

@@ -692,7 +692,7 @@ def test_a_job_restarted_while_the_release_scans_is_still_in_its_way(tmp_path: P
             slow.set()
             lines = await jobs_in_the_way(sup, list, [str(tmp_path)], None)
             slow.clear()
-            assert any(job.id in line for line in lines), (lines, sup.get(job.id).state)
+            assert any(job.id in r.detail for r in lines), (lines, sup.get(job.id).state)
         finally:
             slow.clear()
             await sup.stop(job.id, grace_s=0)

@@ -136,3 +136,22 @@ def test_a_process_holding_the_watched_dir_is_seen_whatever_else_it_does(tmp_pat
         why = found(root).get(pid, "")
         assert why.startswith(f"holds {root} open"), why
     assert found(root) == {}
+
+
+def test_a_release_names_a_stray_and_never_calls_it_a_job(tmp_path: Path) -> None:
+    """Issue 25, finding 5: the release refused a stray as JOB_RUNNING; it is STRAY_PROCESS, with
+    its pid and command."""
+    from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+    from tests.sidecar.daemon import running
+
+    with running(tmp_path / "box") as d:
+        trainer = subprocess.Popen(["sleep", "600"], cwd=d.watch)
+        try:
+            r = d.stub.ReleaseArtifacts(pb.ReleaseArtifactsRequest(manifest_digest="0" * 64), timeout=30)
+            assert not r.deleted and not [x for x in r.refused if x.code == "JOB_RUNNING"], r.refused
+            (stray,) = [x for x in r.refused if x.code == "STRAY_PROCESS"]
+            assert stray.detail.startswith(f"pid {trainer.pid} (sleep 600) works in {d.watch}"), stray
+        finally:
+            trainer.kill()
+            trainer.wait()
