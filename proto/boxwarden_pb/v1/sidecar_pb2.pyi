@@ -1781,7 +1781,7 @@ class Stray(_message.Message):
     """A process outside every job's tree (and not the caller's) whose working directory is the workdir,
     a job's cwd or a watched dir, or which holds a file there open: it may be writing for a job that
     left boxwarden's sight (a session in an already-running tmux server, `at`, a trainer started by
-    hand). The gate refuses on it (JOB_RUNNING).
+    hand). The gate and a release refuse on it (STRAY_PROCESS).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
