@@ -50,7 +50,7 @@ def start(argv: Sequence[str], env: Mapping[str, str]) -> list[threading.Thread]
             if not box.host or box.status == "down":
                 continue
             dest = sshargv.Destination(box.host, box.ssh_options, box.ssh_config)
-            paths = master.LinkPaths.of(Path(box.box_dir).parent.parent, box.name)
+            paths = master.LinkPaths.for_box(Path(box.box_dir).parent.parent, box.name, dest)
             t = threading.Thread(target=_quietly, args=(master.ensure, dest, paths, box.socket), daemon=True)
             t.start()
             threads.append(t)

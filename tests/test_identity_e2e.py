@@ -29,6 +29,7 @@ from tests.sshbox import Box
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     Remote,
     _exit_master,
+    owner_of,
     remote,
     venv_template,
     wheel_cache,
@@ -236,3 +237,22 @@ def test_a_follower_goes_on_with_the_sidecar_up_restarted(bw: Bw, tmp_path: Path
         follower.terminate()
         follower.wait(timeout=30)
         out.close()
+
+
+def test_a_refused_up_to_one_host_leaves_no_link_that_a_later_up_to_another_takes(
+    remote: Remote,  # noqa: F811
+) -> None:
+    """Review of issue 25: the ControlMaster was named by the box alone, so after a refused
+    `up X --host h1` the corrected `up X --host h2` went through the master to h1, started the
+    sidecar there and recorded h2; `down X` then released h1's files and destroyed h2."""
+    bw = remote.bw
+    h1, h2 = remote.boxes("h1"), remote.boxes("h2")
+    r = up_as(remote, h1, "xbox", "--watch", "ckpt", "--durable", "file:///nonexistent/vol/x", code=2)
+    assert "mount the durable volume" in r.stderr
+    up_as(remote, h2, "xbox", "--watch", "ckpt")
+    assert (h2.home / ".boxwarden" / "boxes" / "xbox" / "sidecar.json").exists()
+    assert not (h1.home / ".boxwarden" / "boxes" / "xbox").exists()
+    pid = bw.record("xbox")["sidecar_pid"]
+    assert owner_of(pid) == h2.uid  # the sidecar runs on h2, as the record says
+    write_as_box(h2, "ckpt/h2.bin", "the run the user means")
+    assert [c["path"] for c in bw.wait_durable("xbox", 1)["claims"]] == ["h2.bin"]

@@ -187,7 +187,13 @@ def _control_paths(bw: Bw) -> list[Path]:
     """This controller's ControlMaster sockets (one per box it reached)."""
     from controller.ssh.connector import SshConnector
 
-    return [Path(SshConnector(Destination(b), home=bw.home, tag=b).control_path) for b in _names(bw)]
+    out = []
+    for name in _names(bw):
+        rec = bw.record(name)
+        if rec["host"]:
+            dest = Destination(rec["host"], tuple(rec["ssh_options"]), rec["ssh_config"])
+            out.append(Path(SshConnector(dest, home=bw.home, tag=name).control_path))
+    return out
 
 
 def _names(bw: Bw) -> list[str]:

@@ -52,12 +52,12 @@ class SshConnector:
         python: str = "",
         mode: str | None = None,
     ) -> None:
-        """tag: a short name for this box's controller-side sockets (unique per box and home)."""
+        """tag: the box's name: its controller-side sockets are named by it, `home` and `dest`."""
         self.dest = dest
         self.mode = mode or master.default_mode(os.environ)
         self.remote_socket = remote_socket
         self.python = python
-        self._paths = master.LinkPaths.of(home, tag)
+        self._paths = master.LinkPaths.for_box(home, tag, dest)
         self._dir = self._paths.dir
         self.control_path = self._paths.control
         self.local_socket = self._paths.local_socket

@@ -55,13 +55,21 @@ def private_dir(d: Path) -> Path:
 
 @dataclass(frozen=True)
 class LinkPaths:
-    """The controller-side files of one box's link, named by a digest of (home, box)."""
+    """The controller-side files of one box's link, named by a digest of (home, box, destination)."""
 
     dir: Path
     control: str  # the master's control socket
     local_socket: str  # the forward's local end
     lock: Path
     log: Path
+
+    @classmethod
+    def for_box(cls, home: Path, name: str, dest: sshargv.Destination) -> LinkPaths:
+        """Box `name`'s link to `dest`: named by the box and by where it leads (destination, options,
+        ssh_config), so that a master left by an `up` of the box to another host is never taken for
+        this one's (a refused `up --host h1`, then `up --host h2`, worked on h1)."""
+        where = "\0".join((dest.dest, *dest.options, dest.config))
+        return cls.of(home, f"{name}\0{where}")
 
     @classmethod
     def of(cls, home: Path, tag: str) -> LinkPaths:

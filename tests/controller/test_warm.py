@@ -62,8 +62,8 @@ def test_a_remote_box_s_master_is_up_once_warm_is_done(ssh_box: SshBoxFactory, t
     home = tmp_path / "home"
     box = _record(home, "w1", host=b.alias, ssh_config=str(ssh_box.config))
     _record(home, "local1")  # a box on this machine: no link to start
-    paths = master.LinkPaths.of(home, "w1")
     dest = sshargv.Destination(box.host, box.ssh_options, box.ssh_config)
+    paths = master.LinkPaths.for_box(home, "w1", dest)
     env = {"BOXWARDEN_HOME": str(home)}
     assert master.master_pid(dest, paths.control) is None
 
@@ -103,9 +103,5 @@ def test_on_any_doubt_nothing_starts(ssh_box: SshBoxFactory, tmp_path: Path, cas
     name = "other" if case == "unknown-name" else "w2"
     assert warm.start(["pull", name], env) == []  # a bad mode is the command's to report
     assert not (home / "state.db").exists() or case != "no-state"
-    assert (
-        master.master_pid(
-            sshargv.Destination(b.alias, (), str(ssh_box.config)), master.LinkPaths.of(home, "w2").control
-        )
-        is None
-    )
+    dest = sshargv.Destination(b.alias, (), str(ssh_box.config))
+    assert master.master_pid(dest, master.LinkPaths.for_box(home, "w2", dest).control) is None
