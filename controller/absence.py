@@ -1,12 +1,15 @@
 """Absence is proven, not inferred: `down --box-gone` closes a box only when the provider says it is
-gone, or when no link reaches its host at all. A sidecar that does not answer proves nothing by
-itself: on a host that still answers it is "sidecar dead, host up" (the box and its disk are there,
-maybe still writing), and the way out is `up` again, then the usual pull and `down`.
+gone, or, where no provider can be asked, when no link reaches its host at all. A sidecar that does
+not answer proves nothing by itself: on a host that still answers it is "sidecar dead, host up"
+(the box and its disk are there, maybe still writing), and the way out is `up` again, then the
+usual pull and `down`. A provider that still lists the instance outweighs a host out of reach (a
+cut link, a stopped instance): it is gone once the provider says so.
 
-The host is asked over a connection of its own (never a ControlMaster that may outlive the box): a
-login that runs means the host answers, and so does a refused login (something is there to refuse
-it). Only a connection that cannot be made (refused, timed out, no route, no such name, another
-host key) counts as unreachable.
+The host is asked over a connection of its own (never a ControlMaster that may outlive the box).
+Only a connection that cannot be made at all counts as unreachable (refused, timed out, no route,
+no such name: UNREACHABLE below); anything else means something answered at the box's address: a
+login that runs, a refused login, an sshd that drops the connection before the login (too many
+starting up, a box under load), another host key (another machine there, the box maybe elsewhere).
 """
 
 from __future__ import annotations
@@ -20,7 +23,17 @@ from controller.ssh import argv as sshargv
 from controller.state import Box
 
 HOST_TIMEOUT_S = 40.0  # past ssh's own ConnectTimeout: a login that hangs after connecting answered
-ANSWERED = ("Permission denied", "Too many authentication failures", "Authentication failed")
+UNREACHABLE = (
+    "Connection refused",
+    "Connection timed out",
+    "Operation timed out",
+    "No route to host",
+    "Network is unreachable",
+    "Could not resolve hostname",
+    "Name or service not known",
+    "nodename nor servname",
+)
+"""What ssh says when it could not connect at all; whatever else it says, something answered."""
 
 
 @dataclass(frozen=True)
@@ -41,17 +54,24 @@ def _up_again(box: Box, said: str) -> Absence:
 
 
 async def prove(box: Box, profile: Profile) -> Absence:
-    """Asked now: the provider first, then the host itself."""
-    gone, said = await meterstop.provider_says_gone(profile, box)
-    if gone:
+    """Asked now: the provider first, then (where it cannot be asked) the host itself."""
+    word, said = await meterstop.provider_says(profile, box)
+    if word == meterstop.GONE:
         return Absence(True, f"the provider says it is gone ({said})")
-    provider = f"; the provider does not say it is gone ({said})"
+    if word == meterstop.LISTED:
+        return Absence(
+            False,
+            f"the provider still lists {box.instance_id or box.name} ({said}): it is not gone, only out of "
+            "reach or stopped. If it was preempted or destroyed, wait until the provider no longer lists "
+            f"it (or destroy it there); if it is only out of reach, `boxwarden up {box.name}` once it "
+            "answers",
+        )
     if not box.host:
-        return _up_again(box, "the box is this machine, which answers" + provider)
+        return _up_again(box, f"the box is this machine, which answers; {said}")
     reached, detail = await host_answers(box)
     if reached:
-        return _up_again(box, f"{box.host} answers over SSH ({detail})" + provider)
-    return Absence(True, f"no link reaches {box.host} ({detail})")
+        return _up_again(box, f"something answers at {box.host} over SSH ({detail}); {said}")
+    return Absence(True, f"no link reaches {box.host} ({detail}); {said}")
 
 
 async def host_answers(box: Box) -> tuple[bool, str]:
@@ -80,6 +100,6 @@ async def host_answers(box: Box) -> tuple[bool, str]:
     said = " ".join(err.decode(errors="replace").split())[-300:]
     if proc.returncode == 0:
         return True, "a login ran"
-    if proc.returncode != 255 or any(a in said for a in ANSWERED):
-        return True, f"it refused or failed the login: {said or f'exit {proc.returncode}'}"
-    return False, said or "ssh could not connect"
+    if proc.returncode == 255 and any(u.lower() in said.lower() for u in UNREACHABLE):
+        return False, said
+    return True, said or f"ssh exit {proc.returncode}"

@@ -8,8 +8,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
+import socket
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,7 @@ import blake3
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
 from tests.controller.test_meter_stop import audit, fake_profile, provider
 from tests.s3server import S3Server, write_credentials
-from tests.sshbox import free_port
+from tests.sshbox import Box, free_port
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     Remote,
     _control_paths,
@@ -89,7 +93,7 @@ def test_a_gone_box_is_pulled_from_durable_and_closed_only_on_that_evidence_comp
     r = bw("down", NAME, "--dry-run", "--box-gone", "--json")
     assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
     detail = next(x["detail"] for x in json.loads(r.stdout)["reasons"] if x["code"] == "SIDECAR_DEAD_HOST_UP")
-    assert f"boxwarden up {NAME}" in detail and "provider does not say it is gone" in detail
+    assert f"the provider still lists i-{NAME}" in detail and f"boxwarden up {NAME}" in detail
     kill_the_box(bw, p["watch"], tmp_path)
 
     r = bw("down", NAME, "--confirm", NAME, "--json")  # a cut link looks the same: refused
@@ -208,14 +212,64 @@ def test_a_gone_box_with_a_bucket_is_pulled_from_s3(bw: Bw, s3: S3Server, tmp_pa
     assert json.loads(r.stdout)["teardown"]["gone"] is True
 
 
+def no_meter(remote: Remote) -> Path:  # noqa: F811
+    """The remote profile with a meter stopped by hand (as generic-ssh's): no provider to ask
+    whether the box is gone, only its host."""
+    p = remote.profile.with_name("nometer.toml")
+    text = remote.profile.read_text().replace('name = "fakecloud"', 'name = "nometer"')
+    head, rest = text.split("[meter_stop]", 1)
+    tail = rest[rest.index("[detach]") :]
+    manual = (
+        '[meter_stop]\nverb = "release"\nirreversible = true\nmode = "manual"\nmanual = "Release it."\n\n'
+    )
+    p.write_text(head + manual + tail)
+    return p
+
+
+def point_at(box: Box, port: int) -> None:
+    """The box's Host entry leads to `port` on its address from now on."""
+    text = box.config.read_text()
+    at = text.index(f"Host {box.alias}\n")
+    now = re.search(r"Port (\d+)\n", text[at:])
+    assert now is not None
+    box.config.write_text(text[:at] + text[at:].replace(now.group(0), f"Port {port}\n", 1))
+
+
+@contextlib.contextmanager
+def dropping_sshd() -> Iterator[int]:
+    """A port whose server accepts a connection and closes it at once, before any SSH banner: an sshd
+    with too many logins starting (MaxStartups), or one going down. Something answers there."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            with contextlib.suppress(OSError):
+                conn, _ = srv.accept()
+                conn.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        srv.close()
+
+
 def test_a_remote_box_whose_host_answers_is_not_gone_until_no_link_reaches_it(
     remote: Remote,  # noqa: F811
 ) -> None:
     """Finding 3 of issue 25: `down --box-gone` passed while the box answered over SSH, its
-    entries not covered by a claim were shown `ok`, and its ControlMaster stayed up."""
+    entries not covered by a claim were shown `ok`, and its ControlMaster stayed up. The review
+    after it: an sshd that dropped the connection before the login was taken for no host at all."""
     bw = remote.bw
     box = remote.boxes("g1")
-    remote.provider("create", "i-g1", "--linger", "1")
+    remote.profile = no_meter(remote)
     first = remote.up(box, seeded=True)
     write_as_box(box, "ckpt/a.bin", "weights")
     assert box.run_as_box(["ln", "-s", "/etc/hostname", str(box.home / "ckpt" / "link")]).returncode == 0
@@ -228,22 +282,46 @@ def test_a_remote_box_whose_host_answers_is_not_gone_until_no_link_reaches_it(
 
     r = bw("down", "g1", "--confirm", "g1", "--box-gone", "--json", timeout=120)
     assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
-    assert "g1 answers over SSH" in r.stdout and "boxwarden up g1" in r.stdout
+    assert "something answers at g1 over SSH (a login ran)" in r.stdout and "boxwarden up g1" in r.stdout
     for cm in _control_paths(bw):  # the `down` left no login to the box behind
         assert not cm.exists(), cm
     assert box_status(bw, "g1") == "up"  # nothing done, the meter untouched
 
-    # The box vanishes: nothing answers at its address any more.
-    closed = free_port()
-    text = box.config.read_text()
-    block = text.index("Host g1\n")
-    box.config.write_text(text[:block] + text[block:].replace(f"Port {box.port}\n", f"Port {closed}\n", 1))
+    with dropping_sshd() as port:  # an sshd that drops every connection: the host is there
+        point_at(box, port)
+        r = bw("down", "g1", "--dry-run", "--box-gone", "--json", timeout=120)
+        assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    point_at(box, free_port())  # the box vanishes: nothing answers at its address any more
     r = bw("down", "g1", "--dry-run", "--box-gone", "--json", timeout=120)
     assert r.returncode == 3 and codes(r) == {"LOST_WITH_BOX"}, r.stdout
     doc = json.loads(r.stdout)
     assert [x["path"] for x in doc["reasons"]] == ["link"]
     assert not {c["check"]: c for c in doc["checks"]}["the box's live state"]["ok"]  # never shown ok
-    doc = bw.json("down", "g1", "--confirm", "g1", "--box-gone", "--accept-lost")
-    assert doc["allowed"] is True and doc["teardown"]["gone"] is True
     assert doc["box_gone"]["absence"].startswith("no link reaches g1")
+    r = bw("down", "g1", "--confirm", "g1", "--box-gone", "--accept-lost", "--json", timeout=120)
+    assert r.returncode == 1 and "Release it." in r.stderr, r.stderr  # the steps, then your word
+    doc = bw.json("down", "g1", "--confirm", "g1", "--meter-stopped")
+    assert doc["teardown"]["gone"] is True
     assert box_status(bw, "g1") == "down"
+
+
+def test_a_box_its_provider_still_lists_is_not_gone_however_out_of_reach(
+    remote: Remote,  # noqa: F811
+) -> None:
+    """Review of issue 25: a host out of reach while the provider still lists the instance is a cut
+    link or a stopped box, not a gone one: the provider's word decides."""
+    bw = remote.bw
+    box = remote.boxes("g2")
+    remote.provider("create", "i-g2")
+    first = remote.up(box, seeded=True)
+    bw.artifacts("g2")  # the claims list kept (empty)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="g2's sidecar gone")
+    point_at(box, free_port())
+    r = bw("down", "g2", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    assert "the provider still lists i-g2" in r.stdout
+    remote.provider("vanish", "i-g2")
+    r = bw("down", "g2", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert "SIDECAR_DEAD_HOST_UP" not in codes(r), r.stdout
+    assert json.loads(r.stdout)["box_gone"]["absence"].startswith("the provider says it is gone")
