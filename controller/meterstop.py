@@ -43,6 +43,7 @@ class MeterResult:
     waited_s: float = 0.0
     manual_confirmed: bool = False
     sent: bool = False  # this run sent the stop command (or showed the manual steps)
+    shared_with: list[str] = field(default_factory=list)  # boxes still up on the instance: not sent
     detail: str = ""
     note: str = ""
 

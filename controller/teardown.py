@@ -195,10 +195,11 @@ class TeardownResult:
 
     @property
     def gone(self) -> bool:
-        """The box is down: its sidecar is gone and its meter is proven stopped (or needs none)."""
+        """The box is down: its sidecar is gone and its meter is proven stopped (or needs none, or
+        is another box's still: one on the same instance that is up)."""
         if not self.sidecar_gone or self.meter is None:
             return False
-        return self.meter.gone or self.meter.manual_confirmed
+        return self.meter.gone or self.meter.manual_confirmed or bool(self.meter.shared_with)
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -348,7 +349,19 @@ async def meter_step(
     send: bool,
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
-    `meter-unproven` (the next `down` polls first)."""
+    `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box
+    that is up runs on the same instance, nothing is sent (that box's own `down` stops it)."""
+    sharing = sharing_instance(state, box)
+    if sharing:
+        ms = profile.meter_stop
+        result.meter = MeterResult(
+            mode=ms.mode,
+            verb=ms.verb,
+            shared_with=sharing,
+            detail=f"not sent: {', '.join(sharing)} still up on instance {box.instance_id}, whose meter "
+            "this is; the last of them to go down stops it",
+        )
+        return result.meter
     try:
         result.meter = await meterstop.stop_meter(
             profile,
@@ -366,6 +379,21 @@ async def meter_step(
         if METER_STOP in state.teardown_steps(box.name):
             state.put(box.with_(status="meter-unproven"))
         raise
+
+
+def sharing_instance(state: State, box: Box) -> list[str]:
+    """The other boxes that are up on `box`'s instance (same profile and instance id): stopping its
+    meter would stop theirs."""
+    if not box.instance_id:
+        return []
+    return sorted(
+        b.name
+        for b in state.boxes()
+        if b.name != box.name
+        and b.status == "up"
+        and b.instance_id == box.instance_id
+        and (b.profile, b.profile_file) == (box.profile, box.profile_file)
+    )
 
 
 async def forget_credentials(box: Box) -> str:

@@ -256,3 +256,36 @@ def test_a_refused_up_to_one_host_leaves_no_link_that_a_later_up_to_another_take
     assert owner_of(pid) == h2.uid  # the sidecar runs on h2, as the record says
     write_as_box(h2, "ckpt/h2.bin", "the run the user means")
     assert [c["path"] for c in bw.wait_durable("xbox", 1)["claims"]] == ["h2.bin"]
+
+
+def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Review of issue 25: two boxes on one instance (one host, one instance id): `down` of the
+    first sent the instance's meter stop while the second still ran there, unpulled."""
+    bw = remote.bw
+    box = remote.boxes("h1")
+    remote.provider("create", "i-h1", "--linger", "1")
+    for n in ("boxc", "boxd"):
+        r = bw("up", n, "--profile-file", str(remote.profile), "--host", "h1", "--instance-id", "i-h1",
+               "--workdir", f"~/{n}", "--watch", "ckpt", "--json", timeout=300)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+    for n in ("boxc", "boxd"):
+        write_as_box(box, f"{n}/ckpt/{n}.bin", f"{n}'s weights")
+        bw.wait_durable(n, 1)
+        bw.ok("pull", n, "--to", str(bw.cwd / f"p-{n}"))
+        bw.ok("verify", str(bw.cwd / f"p-{n}"))
+
+    def deletes() -> int:
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
+        return sum(1 for verb, _ in calls if verb == "delete")
+
+    doc = bw.json("down", "boxc", "--confirm", "boxc")
+    meter = doc["teardown"]["meter"]
+    assert meter["shared_with"] == ["boxd"] and meter["sent"] is False and deletes() == 0
+    assert "boxd still up on instance i-h1" in meter["detail"]
+    rows = {r["box"]: r for r in bw.json("status")["boxes"]}
+    assert rows["boxc"]["status"] == "down" and rows["boxd"]["unreachable"] is False  # boxd runs on
+    doc = bw.json("down", "boxd", "--confirm", "boxd")  # the last box on the instance stops its meter
+    assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is True and deletes() == 1
