@@ -175,19 +175,22 @@ async def up(
     # A box whose teardown was interrupted is the same box and run: `up` brings its sidecar back so
     # that a later `down` can finish the teardown with the tree it already pulled and verified.
     running = old is not None and old.status in ("up", "tearing-down")
-    if running and old is not None:
+    if old is not None and old.status != "down":
+        # A box not torn down (a meter stop never proven included) keeps its profile, instance and
+        # host: its meter stop, sent or to be sent, is about them.
+        is_ = "is up" if running else f"is {old.status} (its meter stop not proven)"
         same_file = str(profile_file.resolve()) if profile_file else ""
         if old.profile != prof.name or old.profile_file != same_file:
             raise UsageError(
-                f"{name} is up with profile {old.profile_file or old.profile}; `down` it before bringing it "
+                f"{name} {is_} with profile {old.profile_file or old.profile}; `down` it before bringing it "
                 "up with another profile (its meter stop must stay the one that was checked)"
             )
         if instance_id is not None and old.instance_id and instance_id != old.instance_id:
-            raise UsageError(f"{name} is up as instance {old.instance_id}; `down` it before changing the id")
+            raise UsageError(f"{name} {is_} as instance {old.instance_id}; `down` it before changing the id")
         if (host or "") != old.host:
             was = f"on {old.host}" if old.host else "on this machine"
-            raise UsageError(f"{name} is up {was}; `down` it before bringing it up elsewhere")
-    effective_id = instance_id or (old.instance_id if running and old is not None else "")
+            raise UsageError(f"{name} {is_} {was}; `down` it before bringing it up elsewhere")
+    effective_id = instance_id or (old.instance_id if old is not None and old.status != "down" else "")
     if "instance_id" in profiles.placeholders(prof) and not effective_id:
         raise UsageError(
             f"profile {prof.name!r} stops the meter with a command that needs the provider's instance id: "

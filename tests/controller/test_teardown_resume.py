@@ -217,6 +217,18 @@ def test_down_killed_during_the_meter_stop_is_shown_and_continued_by_polling(bw:
     assert box_row(bw)["status"] == "down"
 
 
+def test_a_box_whose_meter_stop_is_unproven_keeps_its_instance(bw: Bw, tmp_path: Path) -> None:
+    """Review of issue 25: `up` of a meter-unproven box took another --instance-id, and the next
+    `down` settled the meter stop of that one: the first instance's was forgotten, still running."""
+    unproven(bw, tmp_path)
+    again = ("--workdir", str(bw.cwd), "--watch", "ckpt")
+    r = bw("up", NAME, "--profile-file", str(profile(tmp_path)), *again, "--instance-id", "i-2")
+    assert (
+        r.returncode == 2 and f"meter-unproven (its meter stop not proven) as instance {INSTANCE}" in r.stderr
+    )
+    assert box_row(bw)["status"] == "meter-unproven"
+
+
 def test_a_state_db_from_before_step_records_is_migrated(bw: Bw, tmp_path: Path) -> None:
     unproven(bw, tmp_path)
     db = sqlite3.connect(bw.home / "state.db")
