@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,9 +103,14 @@ async def answering(conn: Connector, timeout_s: float = 5.0) -> pb.HelloResponse
             return None
 
 
-def start_request(box: Box, checks: dict[str, Any], *, start: bool = True, nonce: str = "") -> dict[str, Any]:
+def start_request(
+    box: Box, checks: dict[str, Any], *, start: bool = True, nonce: str = "", known_runs: Sequence[str] = ()
+) -> dict[str, Any]:
+    """`known_runs`: runs of the box this controller knows (its record's), besides `box.run_id`: a
+    dead sidecar's state dir of any other run is not taken over (sidecar.launch)."""
     root = str(Path(box.state_dir).parent)
     return {
+        "known_runs": list(known_runs),
         **checks,
         "config": json_format.MessageToDict(config_for(box)),
         "config_path": f"{root}/sidecar.json",
@@ -182,6 +188,7 @@ async def up(
     credentials: str | None = None,
     reconfigure: bool = False,
     ours: str | None = None,
+    known_runs: Sequence[str] = (),
 ) -> UpResult:
     """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
     default, the profile's checks and inode floor). `credentials`: the durable store's, written
@@ -194,7 +201,7 @@ async def up(
     (a new version, new credentials or health settings: its run and ledger stay) or, where its claims
     would change meaning, refused with every difference."""
     nonce = new_nonce()
-    req = start_request(box, checks, nonce=nonce)
+    req = start_request(box, checks, nonce=nonce, known_runs=known_runs)
     if credentials is not None:
         req["durable_credentials"] = credentials
     answer = await launch(conn, "start", req)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
+from google.protobuf import json_format
 
 from controller import (
     __version__,
@@ -430,25 +431,25 @@ def _check_adopt(**given: object) -> None:
 
 
 async def _adopted(spec: UpSpec, conn: Connector, where: Where) -> UpSpec:
-    """`spec` with what the sidecar that runs the box says it runs with (`up --adopt`)."""
+    """`spec` with what the sidecar that runs the box says it runs with (`up --adopt`); a dead one's
+    last config, kept on the box, when none answers (it is started again with it)."""
+    state_dir = str(where.state_root / "sidecar")
     hello = await bootstrap.answering(conn)
     if hello is None:
-        raise UsageError(
-            f"--adopt: no sidecar answers for {spec.name} on {spec.host or 'this machine'} "
-            f"({where.socket}): nothing to adopt; `up` without --adopt starts one"
-        )
-    state_dir = str(where.state_root / "sidecar")
-    if hello.box_name != spec.name or hello.state_dir != state_dir:
-        raise SidecarMismatch(
-            f"--adopt: the sidecar that answers on {where.socket} runs box {hello.box_name!r} with the state "
-            f"dir {hello.state_dir}, not {spec.name!r} with {state_dir}; nothing was adopted"
-        )
-    if hello.version != __version__:
-        raise VersionMismatch(
-            f"--adopt: the sidecar of {spec.name} runs boxwarden {hello.version}, this controller is "
-            f"{__version__}; adopt it with that version, or `down` it from the controller that started it"
-        )
-    cfg = hello.config
+        cfg = await _last_config(conn, where, spec)
+        ours: str | None = None  # none runs: the one `up` starts is this controller's
+    else:
+        if hello.box_name != spec.name or hello.state_dir != state_dir:
+            raise SidecarMismatch(
+                f"--adopt: the sidecar that answers on {where.socket} runs box {hello.box_name!r} with the "
+                f"state dir {hello.state_dir}, not {spec.name!r} with {state_dir}; nothing was adopted"
+            )
+        if hello.version != __version__:
+            raise VersionMismatch(
+                f"--adopt: the sidecar of {spec.name} runs boxwarden {hello.version}, this controller is "
+                f"{__version__}; adopt it with that version, or `down` it from the controller that started it"
+            )
+        cfg, ours = hello.config, hello.nonce
     if cfg.profile != spec.prof.name:
         raise UsageError(
             f"--adopt: the sidecar of {spec.name} was started with profile {cfg.profile!r}: give --profile "
@@ -468,9 +469,25 @@ async def _adopted(spec: UpSpec, conn: Connector, where: Where) -> UpSpec:
         health=HealthOptions(
             cfg.stall_s, cfg.step_regex, cfg.loss_regex, cfg.memory_high_percent, cfg.metrics_port
         ),
-        ours=hello.nonce,
+        ours=ours,
         adopted_credentials=bool(cfg.durable_credentials_file),
     )
+
+
+async def _last_config(conn: Connector, where: Where, spec: UpSpec) -> pb.SidecarConfig:
+    """The config the box's last sidecar ran with (`up --adopt` of a dead one)."""
+    answer = await launch(conn, "config", {"config_path": str(where.state_root / "sidecar.json")})
+    if answer.get("running") is not None:
+        raise SidecarUnreachable(
+            f"--adopt: a sidecar (pid {answer['running']}) holds the state of {spec.name} but does not "
+            f"answer on {where.socket}; wait for it to finish starting, or stop it, and `up --adopt` again"
+        )
+    if not answer.get("config"):
+        raise UsageError(
+            f"--adopt: no sidecar answers for {spec.name} on {spec.host or 'this machine'} and none ran "
+            f"there ({where.state_root} holds no config): nothing to adopt; `up` without --adopt starts one"
+        )
+    return json_format.ParseDict(answer["config"], pb.SidecarConfig(), ignore_unknown_fields=True)
 
 
 async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
@@ -559,6 +576,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         credentials=spec.credentials,
         reconfigure=reconfigure,
         ours=spec.ours,
+        known_runs=[old.run_id] if old is not None else [],
     )
     findings += [checks.Finding.from_json(f) for f in res.findings]
     first_time = not box.notices_shown

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller.client import lineage
-from controller.errors import ControllerError, SidecarUnreachable, UsageError
+from controller.errors import ControllerError, SidecarMismatch, SidecarUnreachable, UsageError
 
 BEGIN = "@@boxwarden-launch-begin@@"  # sidecar.launch's markers around its answer
 END = "@@boxwarden-launch-end@@"
@@ -96,6 +96,8 @@ async def launch(
     kind = answer.get("refused")
     if kind == "usage":
         raise UsageError(str(answer["message"]))
+    if kind == "mismatch":
+        raise SidecarMismatch(str(answer["message"]))
     if kind:
         raise ControllerError(str(answer["message"]))
     return answer

@@ -13,9 +13,11 @@ on stdout between two marker lines (a login shell may print a banner first). Ver
   pid once that child, not another process, answers on the socket.
 - `gone`: whether the sidecar of a state dir has ended (its lock is free and its pid is dead).
 - `stop`: SIGTERM (then SIGKILL) the sidecar this state dir's lock names, for an `up` that failed.
+- `config`: the config the box's last sidecar was started with (for `up --adopt` of a dead one).
 
-A refusal answers {"refused": "usage" | "error", "message": ...}: "usage" is a wrong argument the user
-can fix (the CLI exits 2), "error" a box that cannot take the sidecar (exit 1). Runs on Python 3.9+.
+A refusal answers {"refused": "usage" | "error" | "mismatch", "message": ...}: "usage" is a wrong
+argument the user can fix (the CLI exits 2), "error" a box that cannot take the sidecar (exit 1),
+"mismatch" a state dir that holds another controller's run (exit 3). Runs on Python 3.9+.
 """
 
 from __future__ import annotations
@@ -403,6 +405,7 @@ def start(req: Request) -> Request:
     if not req.get("start", True):
         return {"findings": findings}
     cfg_path = Path(req["config_path"])
+    _own_state(cfg_path, cfg, req.get("known_runs", []))
     log_path = Path(req["log_path"])
     creds = cfg.get("durableCredentialsFile")
     if creds and "durable_credentials" in req:
@@ -449,6 +452,41 @@ def start(req: Request) -> Request:
         f"the sidecar did not answer within {START_DEADLINE_S:.0f}s (stopped it); its log says:\n"
         f"{tail(log_path)}",
     )
+
+
+def _last_config(cfg_path: Path) -> Request | None:
+    """The config the state dir's last sidecar was started with, if any."""
+    try:
+        found = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise Refused("error", f"cannot read {cfg_path}: {e}") from e
+    return found if isinstance(found, dict) else None
+
+
+def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str]) -> None:
+    """A new sidecar starts on a state dir only if its last run is this one, or one the controller
+    knows (its own, torn down): another controller's run, whose sidecar died, is taken over only
+    with `up --adopt` (its ledger would be rebound to a run it knows nothing of)."""
+    last = _last_config(cfg_path) or {}
+    run = str(last.get("runId") or "")
+    if not run or run == cfg.get("runId") or run in known_runs:
+        return
+    raise Refused(
+        "mismatch",
+        f"the state dir {cfg['stateDir']} holds run {run} of box {last.get('boxName')!r} (durable "
+        f"{last.get('durableUrl')}), which this controller did not start; its sidecar is not running. "
+        "`boxwarden up NAME --adopt` starts it again and takes it over; or `down` it from the "
+        "controller that started it",
+    )
+
+
+def config(req: Request) -> Request:
+    """The config the box's last sidecar was started with ({"config": null}: none), and whether a
+    sidecar holds the state dir now."""
+    cfg_path = Path(req["config_path"])
+    return {"config": _last_config(cfg_path), "running": holder(cfg_path.parent / "sidecar")}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -509,6 +547,7 @@ VERBS: dict[str, Callable[[Request], Request]] = {
     "start": start,
     "gone": gone,
     "stop": stop,
+    "config": config,
 }
 
 

@@ -289,3 +289,30 @@ def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
     assert rows["boxc"]["status"] == "down" and rows["boxd"]["unreachable"] is False  # boxd runs on
     doc = bw.json("down", "boxd", "--confirm", "boxd")  # the last box on the instance stops its meter
     assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is True and deletes() == 1
+
+
+def test_a_dead_sidecar_of_another_controller_is_taken_over_only_with_adopt(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Review of issue 25: a second controller's `up` of a box whose sidecar had died started a new
+    run on the first one's ledger, silently (its claims, its jobs); now only `--adopt` takes it over,
+    starting it again with the run and store it had."""
+    box = remote.boxes("dd1")
+    first = remote.up(box, seeded=True)
+    run = remote.bw.record("dd1")["run_id"]
+    write_as_box(box, "ckpt/a.bin", "A's weights")
+    remote.bw.wait_durable("dd1", 1)
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="the sidecar gone")
+    other = Bw(tmp_path / "home2", remote.bw.cwd)
+    other.env.update({k: remote.bw.env[k] for k in ("BOXWARDEN_SSH_CONFIG", "BOXWARDEN_WHEELHOUSE")})
+    try:
+        r = up_as(remote, box, "dd1", "--watch", "ckpt", bw=other, code=3)
+        assert f"holds run {run}" in r.stderr and "--adopt" in r.stderr, r.stderr
+        assert other("status", "dd1").returncode != 0  # nothing recorded, nothing started
+        doc = up_as(remote, box, "dd1", "--adopt", bw=other)
+        assert doc["started"] is True and doc["run_id"] == run
+        assert [c["path"] for c in other.wait_durable("dd1", 1)["claims"]] == ["a.bin"]
+    finally:
+        _exit_master(other, box)
