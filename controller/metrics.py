@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import urllib.error
 import urllib.request
@@ -20,8 +21,9 @@ READY_S = 30.0
 """How long the forward may take to carry a first scrape."""
 
 
-def _scrape(url: str) -> str:
-    """The endpoint's first line (it answers), or why not."""
+def _scrape(url: str, box: Box) -> str:
+    """The endpoint's first line (it answers, as `box`'s sidecar: every series carries the box and
+    run labels), or why not."""
     try:
         with urllib.request.urlopen(url, timeout=5) as r:  # noqa: S310 - our own http://127.0.0.1 URL
             body: bytes = r.read(1 << 20)
@@ -29,7 +31,14 @@ def _scrape(url: str) -> str:
         raise ConnectionError(str(getattr(e, "reason", e))) from e
     if b"boxwarden_" not in body:
         raise ConnectionError("it answers, but not with boxwarden's metrics")
-    return body.decode(errors="replace").splitlines()[0]
+    text = body.decode(errors="replace")
+    if f'box="{box.name}"' not in text or f'run_id="{box.run_id}"' not in text:
+        said = re.search(r'box="([^"]*)"[^}]*run_id="([^"]*)"', text)
+        who = f"box {said.group(1)!r}, run {said.group(2)!r}" if said else "no box"
+        raise ConnectionError(
+            f"it answers with the metrics of {who}, not of box {box.name!r}, run {box.run_id!r}"
+        )
+    return text.splitlines()[0]
 
 
 async def serve(box: Box, local_port: int, on_ready: Callable[[str, bool], None]) -> None:
@@ -44,7 +53,7 @@ async def serve(box: Box, local_port: int, on_ready: Callable[[str, bool], None]
     if not box.host:
         url = f"http://127.0.0.1:{box.metrics_port}/metrics"
         try:
-            await asyncio.to_thread(_scrape, url)
+            await asyncio.to_thread(_scrape, url, box)
         except ConnectionError as e:
             raise ControllerError(
                 f"nothing serves {box.name}'s metrics at {url} ({e}): is its sidecar up?"
@@ -90,7 +99,7 @@ async def _until_ready(proc: asyncio.subprocess.Process, url: str, box: Box) -> 
                 f"ssh to {box.host} could not forward the metrics port: {why or proc.returncode}"
             )
         try:
-            await asyncio.to_thread(_scrape, url)
+            await asyncio.to_thread(_scrape, url, box)
             return
         except ConnectionError as e:
             last = str(e)

@@ -6,6 +6,7 @@ over SSH forwards a remote box's port here until it is interrupted."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -87,6 +88,20 @@ def test_health_settings_reach_the_sidecar_and_a_change_restarts_it(bw: Bw) -> N
     assert {d["role"] for d in row["disks"]} >= {"watch", "state"}
     assert not human_strings(row), human_strings(row)
     bw.ok("stop", "h1", job["id"], "--grace", "1")
+
+
+def test_metrics_are_named_the_boxs_only_when_its_own_sidecar_serves_them(bw: Bw) -> None:
+    """Review of issue 25: with box md's sidecar dead, box mc's sidecar on the same port was
+    given as md's endpoint."""
+    port = free_port()
+    bw.up("md", "--metrics-port", str(port), watch="ck-d")
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="md's sidecar gone")
+    bw.up("mc", "--metrics-port", str(port), watch="ck-c")
+    r = bw("metrics", "md", "--json")
+    assert r.returncode == 1 and "with the metrics of box 'mc'" in r.stderr, r.stderr
+    assert bw.json("metrics", "mc")["url"] == f"http://127.0.0.1:{port}/metrics"
 
 
 def test_bad_health_settings_are_refused_before_anything_starts(bw: Bw) -> None:
