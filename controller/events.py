@@ -15,7 +15,7 @@ from typing import Any
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 from google.protobuf import json_format
 
-from controller.errors import SidecarMismatch, SidecarUnreachable
+from controller.errors import ControllerError, SidecarMismatch, SidecarUnreachable
 from controller.reach import connect
 from controller.state import Box, State
 
@@ -66,4 +66,11 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                 except SidecarUnreachable as e:
                     logger.info("%s: not yet (%s)", box.name, e)
                 except SidecarMismatch as e:  # until `up` records the sidecar it (re)started
+                    now = state.find(box.name)
+                    if now is None or now.run_id != box.run_id:
+                        raise ControllerError(
+                            f"{box.name} is now run {now.run_id if now else '(none)'}, brought up again "
+                            f"since: the events of run {box.run_id} end here; `boxwarden events {box.name} "
+                            "-f` follows the new run"
+                        ) from e
                     logger.warning("%s: %s", box.name, e)

@@ -38,17 +38,23 @@ class Expected:
         return f"on {self.host}" if self.host else "on this machine"
 
     def reread(self) -> Expected | None:
-        """The record as it is now, if `up` changed it since (it restarted or adopted the sidecar
-        while a long command followed the box); None if it did not."""
+        """The record as it is now, if `up` restarted (or adopted) the box's sidecar since, for the
+        same run and store, while a long command followed the box; None otherwise. Another run is
+        not this client's to follow (`events -f` of run 1 must not take run 2's events as its own),
+        and a record that names no nonce never undoes the one this client took first."""
         if not self.home:
             return None
         (box,) = State.peek(Path(self.home), [self.box]) or (None,)
         if box is None or box.status == "down":
             return None
         now = of(box)
-        return (
-            now if (now.nonce, now.run_id, now.durable) != (self.nonce, self.run_id, self.durable) else None
-        )
+        if (
+            not now.nonce
+            or now.nonce == self.nonce
+            or (now.run_id, now.durable) != (self.run_id, self.durable)
+        ):
+            return None
+        return now
 
 
 def of(box: Box) -> Expected:

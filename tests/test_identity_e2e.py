@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -316,3 +317,39 @@ def test_a_dead_sidecar_of_another_controller_is_taken_over_only_with_adopt(
         assert [c["path"] for c in other.wait_durable("dd1", 1)["claims"]] == ["a.bin"]
     finally:
         _exit_master(other, box)
+
+
+def test_a_follower_of_one_run_ends_when_the_box_is_brought_up_as_another(bw: Bw, tmp_path: Path) -> None:
+    """Review of issue 25: `events -f` followed the box across `down` and a new `up`, and kept the
+    new run's events as the old run's."""
+    p = bw.up("ev1")
+    save_weights(p["watch"] / "cell-a" / "a.safetensors", seed=1)
+    bw.wait_durable("ev1", 1)
+    first = bw.record("ev1")["run_id"]
+    log = tmp_path / "follow.out"
+    with log.open("w") as out:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "controller", "events", "ev1", "-f", "--json"],
+            cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            wait_until(lambda: "ARTIFACT_DURABLE" in log.read_text(), what="the follower caught up")
+            bw.ok("pull", "ev1", "--to", str(tmp_path / "pulled"))
+            bw.ok("verify", str(tmp_path / "pulled"))
+            bw.ok("down", "ev1", "--confirm", "ev1")
+            bw.ok("up", "ev1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+            assert follower.wait(timeout=60) == 1
+        finally:
+            if follower.poll() is None:
+                follower.kill()
+                follower.wait()
+    said = log.read_text()
+    second = bw.record("ev1")["run_id"]
+    assert second != first and f"the events of run {first} end here" in said
+    db = sqlite3.connect(bw.home / "state.db")
+    try:
+        kept = [r[0] for r in db.execute("SELECT record FROM events WHERE run_id = ?", (first,))]
+    finally:
+        db.close()
+    new_pid = bw.record("ev1")["sidecar_pid"]
+    assert kept and not [r for r in kept if f"pid {new_pid}" in r]  # nothing of the new run's sidecar
