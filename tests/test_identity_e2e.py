@@ -29,6 +29,7 @@ from tests.s3server import S3Server, write_credentials
 from tests.sshbox import Box
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     Remote,
+    _control_paths,
     _exit_master,
     owner_of,
     remote,
@@ -277,6 +278,9 @@ def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
         bw.wait_durable(n, 1)
         bw.ok("pull", n, "--to", str(bw.cwd / f"p-{n}"))
         bw.ok("verify", str(bw.cwd / f"p-{n}"))
+
+    bw.json("down", "--all", "--dry-run")  # a dry run over the fleet leaves no login behind either
+    assert not [cm for cm in _control_paths(bw) if cm.exists()]
 
     def deletes() -> int:
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"]

@@ -21,7 +21,7 @@ import click
 
 from controller import armed, boxes, fleetops, gone, pathtext, reach, render, teardown
 from controller.cli.options import durable_credentials_option, json_flag, open_state
-from controller.errors import EXIT_ERROR, GateRefused, Reason, UsageError
+from controller.errors import EXIT_ERROR, ControllerError, GateRefused, Reason, UsageError
 from controller.gate import Verdict
 from controller.state import Box, State, exclusive
 
@@ -126,6 +126,70 @@ def command(
 ) -> None:
     """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
     pulled and verified, and you named the box (or how many)."""
+    # SIGTERM ends a `down` as Ctrl-C does: the teardown records what it did (its audit record, its
+    # steps), and the links it opened are closed.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        _command(
+            name,
+            every,
+            dry_run,
+            confirm,
+            confirm_count,
+            pulled,
+            meter_stopped,
+            resend_stop,
+            accept_server_checksum,
+            box_gone,
+            accept_lost,
+            durable_credentials,
+            when_safe,
+            pull_to,
+            poll,
+            allow_empty,
+            as_json,
+        )
+    finally:
+        # Whatever the outcome (torn down, refused, a dry run, failed, interrupted): no login to a
+        # box outlives the `down` that judged it.
+        _end_links(name, every)
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _end_links(name: str | None, every: bool) -> None:
+    with contextlib.suppress(ControllerError):
+        state = open_state()
+        boxes_ = [b for b in state.boxes() if b.host and (every or b.name == name)]
+        if boxes_:
+            asyncio.run(_end_all(boxes_))
+
+
+async def _end_all(boxes_: list[Box]) -> None:
+    await asyncio.gather(*(reach.end_link(b) for b in boxes_))
+
+
+def _command(
+    name: str | None,
+    every: bool,
+    dry_run: bool,
+    confirm: str | None,
+    confirm_count: int | None,
+    pulled: Path | None,
+    meter_stopped: bool,
+    resend_stop: bool,
+    accept_server_checksum: bool,
+    box_gone: bool,
+    accept_lost: bool,
+    durable_credentials: Path | None,
+    when_safe: bool,
+    pull_to: Path | None,
+    poll: float,
+    allow_empty: bool,
+    as_json: bool,
+) -> None:
     if when_safe:
         other = every or dry_run or resend_stop or box_gone
         _when_safe(name, confirm, pull_to, poll, allow_empty, as_json, other)
@@ -191,12 +255,7 @@ def command(
     # One `down` per box at a time: a second one would judge a box the first is tearing down.
     busy = f"another `down {name}` or an `up {name}` is running (pid {{pid}}); wait for it"
     with exclusive(state.box_lock(name), armed.blocking(state, name, busy)):
-        try:
-            _down(state, state.get(name), opts, as_json)
-        finally:
-            # Whatever the outcome (torn down, refused, failed, interrupted): no login to the box
-            # outlives the `down` that judged it.
-            asyncio.run(reach.end_link(box))
+        _down(state, state.get(name), opts, as_json)
 
 
 def _when_safe(

@@ -7,7 +7,9 @@ user says `--resend-stop`. After `up` again the retry is a normal `down`, throug
 from __future__ import annotations
 
 import json
+import signal
 import sqlite3
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -227,6 +229,36 @@ def test_a_box_whose_meter_stop_is_unproven_keeps_its_instance(bw: Bw, tmp_path:
         r.returncode == 2 and f"meter-unproven (its meter stop not proven) as instance {INSTANCE}" in r.stderr
     )
     assert box_row(bw)["status"] == "meter-unproven"
+
+
+def test_down_stopped_by_sigterm_during_the_meter_stop_keeps_its_audit_record(bw: Bw, tmp_path: Path) -> None:
+    """Review of issue 25: a `down` ended by SIGTERM (a closed terminal, a CI's timeout) during its
+    meter stop wrote no audit record of the teardown that had sent the stop."""
+    up_pulled_verified(bw, tmp_path)
+    prov = provider_dir(tmp_path)
+    (prov / "hang").touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "controller", "down", NAME, "--confirm", NAME],
+        cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: (prov / "stopper.pid").exists(), timeout=60, what="the stop command to run")
+        stopper = int((prov / "stopper.pid").read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        (prov / "hang").unlink()
+    wait_until(lambda: not pid_alive(stopper), timeout=30, what="the stop command to end")
+    assert proc.returncode != 0 and b"interrupted" in err
+    (record,) = audit(bw)
+    assert (
+        record["error"].startswith(("CancelledError", "KeyboardInterrupt"))
+        and record["result"]["meter"] is None
+    )
+    assert box_row(bw)["status"] in ("tearing-down", "meter-unproven")
 
 
 def test_a_state_db_from_before_step_records_is_migrated(bw: Bw, tmp_path: Path) -> None:
