@@ -242,8 +242,12 @@ async def up(
         res = await _started(box, conn, answer, findings, nonce)
     except BaseException:
         # An `up` that fails (or is interrupted) leaves no sidecar of its own running: the box's
-        # record, and what an earlier teardown recorded, still describe it.
-        await launch(conn, "stop", {"state_dir": box.state_dir}, timeout_s=STOP_DEADLINE_S + 15)
+        # record, and what an earlier teardown recorded, still describe it. Nor the credentials it
+        # wrote: a box that did not come up has no record whose `down` would take them away.
+        stop: dict[str, Any] = {"state_dir": box.state_dir}
+        if credentials is not None:
+            stop["forget"] = f"{box.state_dir}/{CREDENTIALS_NAME}"
+        await launch(conn, "stop", stop, timeout_s=STOP_DEADLINE_S + 15)
         raise
     return dataclasses.replace(res, restarted_for=restarted_for)
 

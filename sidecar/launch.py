@@ -414,6 +414,21 @@ def start(req: Request) -> Request:
         raise usage(
             f"the durable store's credentials are gone from {creds}; give --durable-credentials FILE again"
         )
+    try:
+        return _spawn(req, cfg, findings, cfg_path, log_path)
+    except BaseException:
+        # A start that did not take leaves no secret behind: no sidecar reads them, and a box
+        # that never came up has no record whose `down` would take them away.
+        if creds and "durable_credentials" in req:
+            _forget(Path(creds))
+        raise
+
+
+def _spawn(
+    req: Request, cfg: Request, findings: list[dict[str, str]], cfg_path: Path, log_path: Path
+) -> Request:
+    """Write the config and start the sidecar; its pid once that child answers on the socket."""
+    state_dir = Path(cfg["stateDir"])
     _write_private(cfg_path, json.dumps(cfg, indent=2).encode())
     _private_dir(log_path.parent)
     log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
@@ -524,22 +539,31 @@ def gone(req: Request) -> Request:
     is_gone = held is None and not _pid_alive(pid)
     forget = Path(req.get("forget") or "")
     if is_gone and forget.parent == state_dir and forget.name:
-        # The teardown's last look: the store's credentials leave the box with the sidecar.
-        try:
-            if stat.S_ISREG(os.lstat(forget).st_mode):
-                os.unlink(forget)
-        except FileNotFoundError:
-            pass
+        _forget(forget)  # the teardown's last look: the store's credentials leave with the sidecar
     return {"gone": is_gone, "holder": held}
 
 
 def stop(req: Request) -> Request:
-    pid = holder(Path(req["state_dir"]))
-    if pid is None:
-        return {"stopped": True}
-    if pid <= 0:
+    """Stop the state dir's sidecar; with `forget`, then remove the store's credentials it read
+    (an `up` that failed after writing them)."""
+    state_dir = Path(req["state_dir"])
+    pid = holder(state_dir)
+    if pid is not None and pid <= 0:
         raise Refused("error", f"a sidecar holds {req['state_dir']} but its pid file cannot be read")
-    return {"stopped": _stop(pid), "pid": pid}
+    stopped = pid is None or _stop(pid)
+    forget = Path(req.get("forget") or "")
+    if stopped and forget.parent == state_dir and forget.name:
+        _forget(forget)
+    return {"stopped": stopped, "pid": pid}
+
+
+def _forget(path: Path) -> None:
+    """Remove the credentials file `path` (a regular file only; gone already is fine)."""
+    try:
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 VERBS: dict[str, Callable[[Request], Request]] = {

@@ -357,3 +357,14 @@ def test_a_follower_of_one_run_ends_when_the_box_is_brought_up_as_another(bw: Bw
         db.close()
     new_pid = bw.record("ev1")["sidecar_pid"]
     assert kept and not [r for r in kept if f"pid {new_pid}" in r]  # nothing of the new run's sidecar
+
+
+def test_an_up_that_fails_leaves_no_credentials_behind(bw: Bw, s3: S3Server, tmp_path: Path) -> None:
+    """Review of issue 25: `up --durable-credentials` whose sidecar could not start (no such bucket)
+    left the keys on the box, and no record whose `down` would remove them."""
+    creds = write_credentials(tmp_path / "creds")
+    r = bw("up", "cf1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--durable",
+           s3.url("no-such-bucket-xyz", "ck"), "--durable-credentials", str(creds))  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert not list((bw.home / "boxes").rglob("durable-credentials"))
+    assert bw("status", "cf1").returncode != 0
