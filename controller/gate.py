@@ -301,7 +301,7 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             reasons.append(
                 Reason(
                     "STRAY_PROCESS",
-                    detail=f"pid {x.pid} ({x.command[:60]}) {x.why or 'works in ' + x.cwd}, outside every "
+                    detail=f"pid {x.pid} ({x.command[:240]}) {x.why or 'works in ' + x.cwd}, outside every "
                     "job's process tree: it may be writing for one (a tmux session, `at`, a trainer "
                     "started by hand); stop it, or if it is only your shell, leave that directory",
                 )

@@ -311,6 +311,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         reap=children.reap_orphans,
         environ=environ,
         resume_from=resume_for,
+        aside=[s.boxes_root],
     )
     await jobs.recover()
     backlog = Backlog(

@@ -75,6 +75,13 @@ class Settings:
         return self.state_dir / "sidecar.pid"
 
     @property
+    def boxes_root(self) -> Path:
+        """Where this machine keeps its boxes' state: <root>/boxes/<name>/sidecar (its venvs beside),
+        or, for a state dir laid out otherwise, the state dir's own parent."""
+        box_dir = self.state_dir.parent
+        return box_dir.parent.parent if box_dir.parent.name == "boxes" else box_dir
+
+    @property
     def job_cwd(self) -> Path:
         return self.workdir or self.state_dir
 

@@ -129,13 +129,17 @@ class JobSupervisor:
         environ: Mapping[str, str] | None = None,
         resume_from: Callable[[JobRecord], Awaitable[str]] | None = None,
         scan: Callable[[], proctree.ProcTable] = proctree.scan,
+        aside: Sequence[Path] = (),
     ) -> None:
         """`resume_from(job)`: the checkpoint a restarted job resumes from ("" for none).
         `use_pidfd=False` forces the polling fallback (for tests of that path). `reap`, if
         given, is called on every poll to collect orphaned jobs' zombies (the sidecar is their
         subreaper); never pass it in a process whose other children someone else waits for.
         `environ`: what every job inherits (default: this process's environment when the job starts).
-        `scan`: how the live process table is read (run on the scanner's thread, never on the loop)."""
+        `scan`: how the live process table is read (run on the scanner's thread, never on the loop).
+        `aside`: where a process's open or mapped files never make it a stray (this machine's boxes'
+        own state: another box's sidecar holds its ledger and log there)."""
+        self._aside = [str(a) for a in aside]
         self._store = store
         self._log_dir = log_dir
         self._default_cwd = default_cwd
@@ -825,6 +829,7 @@ class JobSupervisor:
             caller=caller,
             progress=progress,
             watched=roots,
+            aside=self._aside,
         )
         future = asyncio.get_running_loop().run_in_executor(self._stray_pool, scan)
         try:

@@ -45,6 +45,7 @@ from sidecar.openfiles import (
 
 _MAX_DEPTH = 4096  # directories above a working directory that are looked at
 TOO_DEEP = "(a path longer than PATH_MAX)"
+COMMAND_SHOWN = 240  # characters of a stray's command line in a refusal: enough to tell what it is
 
 
 @dataclass(frozen=True, **SLOTS)
@@ -92,8 +93,9 @@ class Stray:
 class _Roots:
     """The directories a stray may not work in, by real path and by (device, inode)."""
 
-    def __init__(self, roots: Iterable[str], watched: Iterable[str] = ()) -> None:
+    def __init__(self, roots: Iterable[str], watched: Iterable[str] = (), aside: Iterable[str] = ()) -> None:
         self.paths = sorted({os.path.realpath(r) for r in roots if r})
+        self._aside = [os.path.realpath(a) for a in aside if a]
         self._watched = [os.path.realpath(w) for w in watched if w]
         self._dirs: set[tuple[int, int]] | None = None
         self.ids: set[tuple[int, int]] = set()
@@ -109,6 +111,11 @@ class _Roots:
         self.inner = [f for f in found if f is not None]  # each root's place in its filesystem
         self._ns_mounts: dict[int, mounts.Mounts | None] = {}
         self._places: dict[tuple[int, int, int, str], bool] = {}  # see holds_place
+
+    def set_aside(self, path: str) -> bool:
+        """Is the file `path` under a directory that is never a stray's work (the state of this
+        machine's boxes: another box's sidecar holds its ledger and log there, maps its venv)?"""
+        return any(path == a or path.startswith(a.rstrip("/") + "/") for a in self._aside)
 
     def by_path(self, path: str) -> bool:
         return any(path == r or path.startswith(r.rstrip("/") + "/") for r in self.paths)
@@ -225,6 +232,7 @@ def find(
     caller: Caller | None = None,
     progress: Progress | None = None,
     watched: Iterable[str] = (),
+    aside: Iterable[str] = (),
 ) -> list[Stray]:
     """Strays in `table`. `exempt`: the sidecar and its own children, and every job member.
     `caller`: the controller's process then its ancestors (a local box; as far as `believed`): the
@@ -250,7 +258,7 @@ def find(
             live = [k for k in kids.get(pid, []) if k in table.procs and not table.procs[k].zombie]
             if [k for k in live if k not in others] == [child] and _only_waits(pid):
                 skip.add(pid)
-    where = _Roots(roots, watched)
+    where = _Roots(roots, watched, aside)
     out = []
     for p in table.procs.values():
         if p.pid in skip or p.zombie or p.kernel_thread:
@@ -427,6 +435,8 @@ def _named_there(
     or a bind-mount alias here)."""
     gone = target.endswith(DELETED)
     path = target[: -len(DELETED)] if gone else target
+    if path and where.set_aside(path):
+        return False  # the boxes' own state: a ledger, a log, a venv's library
     # A live name may end in DELETED too (a watched dir named "ckpt (deleted)"): both spellings.
     if where.by_path(path) or (gone and where.by_path(target)):
         return True
@@ -463,7 +473,7 @@ def ticks_to_unix_ns(ticks: int) -> int:
 def stray_line(x: Stray) -> str:
     """One refusal line: what the process is, and what to do about it."""
     return (
-        f"pid {x.pid} ({x.command[:80]}) {x.why}, outside every job's process tree: it may be writing "
-        "for one (a tmux session, `at`, a trainer started by hand); stop it, or if it is only your "
+        f"pid {x.pid} ({x.command[:COMMAND_SHOWN]}) {x.why}, outside every job's process tree: it may be "
+        "writing for one (a tmux session, `at`, a trainer started by hand); stop it, or if it is only your "
         "shell, leave that directory"
     )

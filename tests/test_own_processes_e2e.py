@@ -189,3 +189,18 @@ def test_a_teardown_continued_without_its_sidecar_closes_the_link_it_opened(
     again = bw("down", box.alias, "--confirm", box.alias, "--json")
     assert again.returncode == 3, again.stdout + again.stderr  # still not gone: refused
     assert not _link_pids(bw, box, 0, "master")
+
+
+def test_another_boxs_sidecar_holding_its_state_in_the_workdir_is_no_stray(bw: Bw, tmp_path: Path) -> None:
+    """Review of issue 25: two boxes whose workdir holds this machine's box state (a remote box's
+    default workdir is its home, and its state is ~/.boxwarden): box sc's `down` was refused as
+    STRAY_PROCESS because box sd's sidecar held its own log open there."""
+    for n in ("sc", "sd"):
+        bw.ok("up", n, "--profile", "local", "--workdir", str(tmp_path), "--watch", f"work/ckpt-{n}")
+    (tmp_path / "work" / "ckpt-sc" / "a.bin").write_bytes(b"weights")
+    bw.wait_durable("sc", 1)
+    pulled = tmp_path / "pulled-sc"
+    bw.ok("pull", "sc", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    doc = bw.json("down", "sc", "--dry-run")
+    assert doc["allowed"] is True, doc["reasons"]
