@@ -204,6 +204,11 @@ async def up(
     for pat in exclude:
         check_exclude(pat)
     live = old if old is not None and old.status != "down" else None  # a box not torn down
+    if live is not None and state_on_durable and not live.state_on_durable:
+        raise UsageError(
+            f"{name} keeps its sidecar's state in ~/.boxwarden on the box; `down` it before moving its state "
+            "to the durable tier (--state-on-durable): its ledger holds the claims of its run"
+        )
     if live is not None and keep is not None and keep != live.keep:
         raise UsageError(f"{name} keeps {live.keep or 'every box copy'}; `down` it before changing --keep")
     if (

@@ -258,6 +258,9 @@ def test_a_refused_up_to_one_host_leaves_no_link_that_a_later_up_to_another_take
     assert owner_of(pid) == h2.uid  # the sidecar runs on h2, as the record says
     write_as_box(h2, "ckpt/h2.bin", "the run the user means")
     assert [c["path"] for c in bw.wait_durable("xbox", 1)["claims"]] == ["h2.bin"]
+    # Its state cannot move to the durable tier while it lives (a second, empty ledger, review).
+    r = up_as(remote, h2, "xbox", "--watch", "ckpt", "--state-on-durable", code=2)
+    assert "before moving its state" in r.stderr
 
 
 def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
