@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
 from controller import armed, boxes, queues, render
-from controller.errors import ControllerError
+from controller.errors import ControllerError, SidecarMismatch
 from controller.reach import connect
 from controller.state import Box, State
 
@@ -42,6 +42,7 @@ class Seen:
     queue: pb.Queue | None = None
     at: float = 0.0  # time.monotonic() of the latest answer; 0: none yet
     error: str = ""
+    mismatch: bool = False  # the latest answer came from another sidecar than the box's (refused)
     # Seconds from each snapshot's sampling on the box to its receipt here (the latest ones).
     lags: deque[float] = field(default_factory=lambda: deque(maxlen=LAGS_KEPT))
 
@@ -69,9 +70,10 @@ async def poll(state: State, seen: Seen, queue_name: str, interval_s: float) -> 
                             )
                             seen.queue = qs[0] if qs else None
                     seen.row = boxes.BoxStatus(seen.box, hello, snap).row()
-                    seen.at, seen.error, pause = time.monotonic(), "", 1.0
+                    seen.at, seen.error, seen.mismatch, pause = time.monotonic(), "", False, 1.0
         except (ControllerError, TimeoutError) as e:
             seen.error = str(e) or "no answer"
+            seen.mismatch = isinstance(e, SidecarMismatch)
         seen.row = boxes.BoxStatus(seen.box, None, None, error=seen.error or "the stream ended").row()
         await asyncio.sleep(pause)
         pause = min(pause * 2, 10.0)
@@ -116,6 +118,8 @@ def row_cells(seen: Seen, now: float) -> list[str]:
         return [name, "connecting", "", "", "", "", ""]
     if not r or r.get("unreachable"):
         ago = f"{render.human_duration(now - seen.at)} ago" if seen.at else "never"
+        if seen.mismatch:  # something answers, and it is not the box's own sidecar
+            return [name, f"SIDECAR_MISMATCH (seen {ago})", "", "", "", "", "its own sidecar"]
         return [name, f"UNREACHABLE (seen {ago})", "", "", "", "", ", ".join(lacks(seen))]
     if r.get("status") != "up":  # a teardown left unfinished: a follower may continue it
         return [name, str(r.get("status")), "", "", "", "", "armed" if armed.follower(seen.box) else ""]

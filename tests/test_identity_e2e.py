@@ -129,6 +129,8 @@ def test_an_answer_from_another_sidecar_is_refused_as_a_mismatch(bw: Bw, tmp_pat
         assert r.returncode != 0 or args[0] == "status", (args, r.stdout, r.stderr)
     r = bw("down", "ida", "--confirm", "ida", "--json")
     assert r.returncode == 3 and "SIDECAR_MISMATCH" in codes(r)
+    shown = bw.ok("watch", "ida", "idb", "--once")
+    assert "SIDECAR_MISMATCH" in shown.stdout + shown.stderr  # never shown as merely out of reach
     assert rec_b["sidecar_pid"] in bw.sidecar_pids() and pid_alive(rec_b["sidecar_pid"])  # idb untouched
     assert (a["watch"]).exists()
 
