@@ -22,7 +22,7 @@ from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, armed, boxes, reach, teardown
+from controller import __version__, armed, boxes, cellfacts, reach, teardown
 from controller.errors import ControllerError, GateRefused, Reason, StateError, UsageError
 from controller.overlap import destination_problem, overlap_problem
 from controller.state import Box, State
@@ -32,9 +32,10 @@ POLL_S = 5.0
 ASK_S = 10.0  # how long one look at the box may take
 
 
-async def waiting_for(box: Box, pull_to: Path) -> list[str]:
-    """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle.
-    Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes."""
+async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> list[str]:
+    """What the box still runs (jobs, queued cells), or that it
+    does not answer; [] when idle. Refuses (UsageError) a pull destination that overlaps what it
+    would prove: that never passes. With `state`, what the queues say is kept (controller.cellfacts)."""
     try:
         async with asyncio.timeout(ASK_S), reach.connect(box) as c:
             hello = await c.hello()
@@ -42,6 +43,8 @@ async def waiting_for(box: Box, pull_to: Path) -> list[str]:
             found = await c.list_queues(brief=True)
     except (ControllerError, TimeoutError) as e:
         return [f"an answer from its sidecar ({str(e) or f'none within {ASK_S:.0f} s'})"]
+    if state is not None:
+        cellfacts.learn(state, box, found)
     problem = overlap_problem(pull_to, hello) or destination_problem(pull_to)
     if problem:
         raise UsageError(f"--pull-to {pull_to}: {problem}; nothing was torn down")
@@ -82,7 +85,7 @@ async def follow(
             if earlier is not None and not told:  # its sidecar answers: through the whole gate again
                 told = True
                 report(f"its teardown did not finish ({earlier.describe()}): continued through the gate")
-            why = await waiting_for(box, pull_to)
+            why = await waiting_for(box, pull_to, state)
             if not why:
                 why = await _evidence(state, box, pull_to, allow_empty)
             if not why:

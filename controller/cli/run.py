@@ -156,7 +156,8 @@ def _run_queue(
     timeout: float,
     as_json: bool,
 ) -> None:
-    box = open_state().get(name)
+    state = open_state()
+    box = state.get(name)
     resp = asyncio.run(queues.start_queue(box, plan, policy))
     q = resp.queue
     if not as_json:
@@ -167,7 +168,7 @@ def _run_queue(
         if not wait:
             render.info(f"follow it with: boxwarden queue {name} {q.name} --wait")
     if wait:
-        q = queueview.follow(box, q.name, timeout, quiet=as_json)
+        q = queueview.follow(box, q.name, timeout, quiet=as_json, state=state)
     if as_json:
         render.json_out({**queues.to_json(name, q), "started": resp.started})
     elif wait:
