@@ -33,9 +33,9 @@ ASK_S = 10.0  # how long one look at the box may take
 
 
 async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> list[str]:
-    """What the box still runs (jobs, queued cells), or that it
-    does not answer; [] when idle. Refuses (UsageError) a pull destination that overlaps what it
-    would prove: that never passes. With `state`, what the queues say is kept (controller.cellfacts)."""
+    """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle.
+    Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes.
+    With `state`, what the box's queues say is kept (controller.cellfacts)."""
     try:
         async with asyncio.timeout(ASK_S), reach.connect(box) as c:
             hello = await c.hello()
@@ -54,6 +54,18 @@ async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> li
         if left and not q.stopped:
             out.append(f"queue {q.name}'s cells {', '.join(left)}")
     return out
+
+
+def may_start_again(j: pb.Job) -> bool:
+    """The job failed and its restart policy may start it again (the sidecar's rule: a nonzero exit
+    or a signal, restarts left). A job stopped while it waited reads the same here (the listing
+    does not say which restarts are still due), so this only ever keeps a follower waiting."""
+    return (
+        j.state == pb.JOB_STATE_EXITED
+        and j.exit_code != 0
+        and j.restart == "on-failure"
+        and j.restarts < j.max_restarts
+    )
 
 
 async def follow(
@@ -125,7 +137,20 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
     )
     why = [f"{r.code} {r.path}".strip() for r in checked.reasons]
     if any(r.code == "EMPTY" for r in checked.reasons):
-        listing = await reach.artifacts(box)
+        try:
+            async with reach.connect(box) as c:
+                await c.hello()
+                listing = await c.list_artifacts()
+                health = await c.health_once()
+        except ControllerError as e:
+            return [*why, f"an answer from its sidecar ({e})"]
+        again = [j.id for j in health.jobs if may_start_again(j)]
+        if again and not listing.total_claims:  # it may yet write: not empty for good
+            return [
+                f"EMPTY (nothing claimed yet; job {', '.join(again)} failed and its restart policy may start "
+                "it again. If it was stopped, nothing more will come: Ctrl-C, then arm it with "
+                "--allow-empty or leave it to `down`)"
+            ]
         if not listing.total_claims and not listing.total_pending:  # idle, and nothing on the way
             raise GateRefused(
                 f"{box.name} runs nothing and its watched dirs hold nothing: an empty run never passes the "

@@ -2,8 +2,9 @@
 last job runs, it pulls and verifies once the job ended and tears the box down through the usual
 gate, never before (the journal's order says so); a box whose evidence never completes is never
 torn down; `watch` shows the box armed. A refused release is one more reason to wait; what can
-never pass is refused at once; a SIGTERM says what is left and arming again continues it; the
-follower names itself to a command it blocks, and a pid reused since never shows a box armed."""
+never pass is refused at once (not a run whose failed job may be started again); a SIGTERM says
+what is left and arming again continues it, as does a release whose answer was lost; the follower
+names itself to a command it blocks, and a pid reused since never shows a box armed."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ save(out / "step-2.safetensors")
 )
 # Saves its checkpoint, then fails: with --restart on-failure it waits to be started again.
 FAILS = SAVE + "sys.exit(1)\n"
+FAILS_EMPTY = "import sys; sys.exit(1)\n"  # fails before it writes anything
 
 
 def follower(bw: Bw, pulled: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -175,6 +177,21 @@ def test_what_can_never_pass_is_refused_at_once(bw: Bw, tmp_path: Path) -> None:
     r = bw(*arm, "--pull-to", str(pulled), timeout=60)  # nothing ran, nothing is in its watched dir
     assert r.returncode == 3 and "an empty run never passes the gate" in r.stderr, r.stderr
     assert "--allow-empty" in r.stderr and bw.json("status", NAME)["boxes"][0]["status"] == "up"
+    # A job that failed before it wrote anything and may be started again: not empty for good.
+    again = ["--restart", "on-failure", "--restart-backoff", "300", "--", sys.executable, "-c", FAILS_EMPTY]
+    job = json.loads(bw.ok("run", NAME, "--json", "--cell", "cell-a", *again).stdout)["id"]
+    wait_until(lambda: bw.json("status", NAME)["boxes"][0]["jobs_running"] == 0, what="the job failed")
+    log = tmp_path / "follower.log"
+    proc = follower(bw, pulled, log)
+    try:
+        said = "its restart policy may start it again"
+        wait_until(lambda: said in log.read_text() or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None and said in log.read_text(), log.read_text()  # still following
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    bw.ok("stop", NAME, job)  # never started again now
     doc = bw.json(*arm, "--pull-to", str(pulled), "--allow-empty")
     assert doc["teardown"]["gone"] is True
 
