@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from controller import boxes, cellsfile, queues, queueview, render
-from controller.cli.options import json_flag, open_state, queue_timeout_option
+from controller.cli.options import json_flag, open_state, queue_timeout_option, stand_aside
 from controller.errors import UsageError
 
 
@@ -168,6 +168,7 @@ def _run_queue(
         if not wait:
             render.info(f"follow it with: boxwarden queue {name} {q.name} --wait")
     if wait:
+        stand_aside()  # a follower may run for days: never from a local box's workdir (a stray there)
         q = queueview.follow(box, q.name, timeout, quiet=as_json, state=state)
     if as_json:
         render.json_out({**queues.to_json(name, q), "started": resp.started})
