@@ -4,7 +4,8 @@ gate, never before (the journal's order says so); a box whose evidence never com
 torn down; `watch` shows the box armed. A refused release is one more reason to wait; what can
 never pass is refused at once (not a run whose failed job may be started again); a SIGTERM says
 what is left and arming again continues it, as does a release whose answer was lost; the follower
-names itself to a command it blocks, and a pid reused since never shows a box armed."""
+names itself to a command it blocks (`down --all` too), and a pid reused since never shows a box
+armed."""
 
 from __future__ import annotations
 
@@ -105,7 +106,11 @@ def test_a_box_whose_evidence_never_completes_is_never_torn_down(bw: Bw, tmp_pat
     proc = follower(bw, pulled, log)
     try:
         wait_until(lambda: "waiting for" in log.read_text() and "UNCLAIMABLE" in log.read_text(), timeout=60)
-        for blocked in (("up", NAME, "--profile", "local"), ("down", NAME, "--confirm", NAME)):
+        for blocked in (
+            ("up", NAME, "--profile", "local"),
+            ("down", NAME, "--confirm", NAME),
+            ("down", "--all", "--confirm-count", "1"),
+        ):
             r = bw(*blocked)  # the follower holds the box: it says who it is and how to stop it
             assert r.returncode != 0 and f"{NAME} is armed" in r.stderr, r.stderr
             assert f"--when-safe` (pid {proc.pid}, since " in r.stderr and f"kill -INT {proc.pid}" in r.stderr
