@@ -16,6 +16,7 @@ import pytest
 
 from tests.cellscript import cell_argv, runs
 from tests.conftest import Bw
+from tests.controller.test_meter_stop import fake_profile
 
 
 def write_plan(path: Path, marks: Path, cells: str, boxes: str = "", *flags: str) -> Path:
@@ -178,6 +179,28 @@ def test_a_torn_down_box_stays_down_and_what_it_finished_never_runs_again_unaske
     assert {b["box"]: b["queued"] for b in doc["boxes"]} == {"f1": [], "f2": ["c"]}
     wait_queues(bw, "f2")
     assert [len(runs(marks, c)) for c in "abcd"] == [1, 1, 2, 2]
+
+
+def test_a_plan_s_own_profile_file_is_taken_only_with_trust_plan(bw: Bw, tmp_path: Path) -> None:
+    """A shared plan's profile_file names the commands `down` runs here (an unattended --when-safe
+    too): one that is no shipped profile is refused, nothing started, unless --trust-plan."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    fake_profile(shared)  # its meter stop runs a program of the plan author's choosing, here
+    plan = shared / "plan.toml"
+    plan.write_text(
+        'name = "p"\n[defaults]\ncommand = ["true"]\n\n[[box]]\nname = "g1"\n'
+        'profile_file = "fakecloud.toml"\ninstance_id = "i-1"\n\n[[cell]]\nname = "a"\n'
+    )
+    r = bw("fanout", "up", str(plan))
+    assert r.returncode == 2, r.stderr
+    assert (
+        f"{plan}:7: [[box]] 1 ('g1'): field profile_file: '{shared / 'fakecloud.toml'}' is no shipped"
+        in r.stderr
+    )
+    assert "--trust-plan" in r.stderr and bw.json("status")["boxes"] == []  # nothing started or recorded
+    doc = bw.json("fanout", "up", str(plan), "--trust-plan")
+    assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [("g1", "started", "")]
 
 
 def test_two_boxes_that_would_watch_one_directory_are_refused(bw: Bw, tmp_path: Path) -> None:
