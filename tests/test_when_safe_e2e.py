@@ -9,6 +9,7 @@ armed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -17,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from controller import reach
 from controller.armed import process_start
 from controller.state import State
 from controller.teardown import RELEASE
@@ -232,4 +236,66 @@ def test_a_sigterm_says_what_is_left_and_arming_again_continues_the_teardown(bw:
     assert proc.returncode == 0, log.read_text()
     assert json.loads(out)["teardown"]["gone"] is True
     assert "nothing left" not in log.read_text()
+    assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
+
+
+@pytest.mark.parametrize("how", ["when-safe", "down", "not recorded"])
+def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
+    bw: Bw, tmp_path: Path, how: str
+) -> None:
+    """The release finished on the box, its answer never came back (the review's simulation: the
+    step recorded, ReleaseArtifacts asked directly). Armed again, or pulled and `down` again, the
+    gate sees the claims released by this teardown, held by the tree it verified: not an empty run.
+    A release the record does not show was asked for proves nothing: refused as before."""
+    p = bw.up(NAME)
+    save_weights(p["watch"] / "cell-a" / "one.safetensors", seed=1)
+    save_weights(p["watch"] / "cell-b" / "two.safetensors", seed=2)
+    bw.wait_durable(NAME, 2)
+    pulled = tmp_path / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    digest = bw.json("down", NAME, "--dry-run", "--pulled", str(pulled))["manifest_digest"]
+    state = State(bw.home)
+    box = state.get(NAME)
+    if how != "not recorded":
+        state.step(box.with_(status="tearing-down"), RELEASE, "no answer yet")
+    state.close()
+
+    async def release() -> list[str]:
+        async with reach.connect(box) as c:
+            await c.hello()
+            return list((await c.release(digest)).deleted)
+
+    assert sorted(asyncio.run(release())) == ["cell-a/one.safetensors", "cell-b/two.safetensors"]
+    if how == "when-safe":
+        r = bw(
+            "down",
+            NAME,
+            "--confirm",
+            NAME,
+            "--when-safe",
+            "--pull-to",
+            str(pulled),
+            "--poll",
+            "0.3",
+            "--json",
+        )
+    else:
+        bw.ok("pull", NAME, "--to", str(pulled))  # the box claims nothing: both kept, listed as retired
+        r = bw("down", NAME, "--confirm", NAME, "--pulled", str(pulled), "--json")
+    if how == "not recorded":
+        assert r.returncode == 3, r.stderr
+        assert {x["code"] for x in json.loads(r.stdout)["reasons"]} >= {"EMPTY", "MANIFEST_STALE"}
+        assert bw.json("status", NAME)["boxes"][0]["status"] == "up"
+        return
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["teardown"]["gone"] is True
+    if how == "down":
+        rows = {c["check"]: c for c in doc["checks"]}
+        assert rows["released by this teardown"]["ok"] is True
+        assert (
+            "2 claims were deleted on it by the release this teardown asked for"
+            in rows["released by this teardown"]["detail"]
+        )
     assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
