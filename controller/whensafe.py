@@ -143,10 +143,10 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
             async with reach.connect(box) as c:
                 await c.hello()
                 listing = await c.list_artifacts()
-                health = await c.health_once()
+                jobs = await c.list_jobs()  # every job, ended ones too (the health snapshot's are live)
         except ControllerError as e:
             return [*why, f"an answer from its sidecar ({e})"]
-        again = [j.id for j in health.jobs if may_start_again(j)]
+        again = [j.id for j in jobs.jobs if may_start_again(j)]
         if again and not listing.total_claims:  # it may yet write: not empty for good
             return [
                 f"EMPTY (nothing claimed yet; job {', '.join(again)} failed and its restart policy may start "
