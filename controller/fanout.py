@@ -1,10 +1,12 @@
 """`fanout up`: bring every box of a plan up at once and queue each box's cells on it.
 
 Idempotent: a box already up is left as it is (`up` again), a queue already running with the same
-cells is left alone, and a queue that ended runs only its cells that did not finish (the sidecar
-never runs a finished cell twice). What each box gets is decided by identity before anything
-starts (controller.fanoutplan): cells stay on their boxes, a finished cell never runs again unasked,
-a box torn down is left down unless `--restart-box NAME`. The plan as last applied is kept in the
+cells is left alone, and a queue that ended is asked to run only its cells that did not finish. What
+each box gets is decided by identity before anything starts (controller.fanoutplan): cells stay on
+their boxes, a finished cell never runs again unasked wherever and in whichever run it finished, a
+box torn down is left down unless `--restart-box NAME`. Every box the plan (or its last record, or
+what is known of its cells) names is asked for all its queues, whatever their names: what they say
+is kept as facts of each box's run (controller.cellfacts). The plan as last applied is kept in the
 controller's state (`plans/<name>.json`), per box and only where it was applied: a box whose apply
 failed, or that was left down, keeps its old entry, so the next `fanout up` shows its difference
 again. A plan that differs from it is shown as a difference and applied only once the caller
@@ -25,7 +27,7 @@ from typing import Any
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import armed, boxes, queues
+from controller import armed, boxes, cellfacts, queues
 from controller.cellsfile import CellsFile
 from controller.errors import ControllerError, UsageError
 from controller.fanoutplan import DOWN, BoxPlan, Seen, Settled, settle
@@ -118,35 +120,44 @@ def _check_local_dirs(plan: Plan, plan_dir: Path) -> None:
 
 
 async def look(state: State, plan: Plan, old: dict[str, Any] | None) -> Seen:
-    """What the plan's boxes (and those of the plan last applied) say now: each record's status,
-    and for each box up, its queue's finished cells and the cells it has still to run."""
-    names = sorted({b.name for b in plan.boxes} | set((old or {}).get("boxes") or {}))
+    """What the boxes say now: each record's status and run, and for each box up, all its queues
+    (kept as facts of its run); then everything known of the plan's cells, on any box and run. The
+    boxes asked: the plan's, those of the plan last applied, and those known to have run its cells."""
+    cells = [c.name for c in plan.queue.cells]
+    known = cellfacts.facts(state, cells)
+    names = sorted(
+        {b.name for b in plan.boxes}
+        | set((old or {}).get("boxes") or {})
+        | {f.box for seen in known.values() for f in seen}
+    )
     status: dict[str, str] = {}
-    finished: dict[str, str] = {}
-    busy: dict[str, set[str]] = {}
+    runs: dict[str, str] = {}
+    busy: dict[str, dict[str, str]] = {}
+    active: set[str] = set()
     silent: dict[str, str] = {}
 
     async def one(name: str) -> None:
         box = state.find(name)
         if box is None:
             return
-        status[name] = box.status
+        status[name], runs[name] = box.status, box.run_id
         if box.status != "up":
             return
         try:
-            found = await asyncio.wait_for(queues.list_queues(box, plan.name, brief=True), LOOK_S)
+            found = await asyncio.wait_for(queues.list_queues(box, brief=True), LOOK_S)
         except (ControllerError, TimeoutError) as e:
             silent[name] = str(e) or "no answer"
             return
+        cellfacts.learn(state, box, found)
         for q in found:
+            if q.name == plan.name and not q.ended_at_unix_ns:
+                active.add(name)
             for c in q.cells:
-                if c.state in (pb.CELL_DONE, pb.CELL_SKIPPED) and c.durability != pb.CELL_NO_CHECKPOINT:
-                    finished[c.spec.cell] = name
-                elif c.state in (pb.CELL_PENDING, pb.CELL_RUNNING) and not q.stopped:
-                    busy.setdefault(name, set()).add(c.spec.cell)
+                if c.state in (pb.CELL_PENDING, pb.CELL_RUNNING) and not q.stopped:
+                    busy.setdefault(name, {})[c.spec.cell] = q.name
 
     await asyncio.gather(*(one(n) for n in names))
-    return Seen(status, finished, busy, silent)
+    return Seen(status, runs, cellfacts.facts(state, cells), busy, active, silent)
 
 
 def read_recorded(state: State, name: str) -> dict[str, Any] | None:
@@ -192,7 +203,7 @@ async def up(
             *(_one(state, plan, plan_dir, bp, seen.status.get(bp.box.name)) for bp in acting)
         )
     done = {o.box: o for o in outcomes}
-    _record(state, plan, old, doc, settled, done, rerun)
+    _record(state, plan, old, doc, settled, done)
     left = [
         BoxOutcome(bp.box.name, up="down", queue="none", cells=[c.name for c in bp.cells], held=bp.held)
         for bp in settled.boxes
@@ -209,24 +220,22 @@ def _record(
     doc: dict[str, Any],
     settled: Settled,
     done: dict[str, BoxOutcome],
-    rerun: Collection[str],
 ) -> None:
     """Keep the plan as applied, box by box: a box whose apply failed, or that was left down, keeps
     its old entry (none if it had none); the plan-wide fields are the new ones only once every box
-    acted on (`done`) took them. A cell asked to run again is no longer finished once its box took it."""
+    acted on (`done`) took them. (What finished where is kept apart, as facts of the boxes.)"""
     applied = {name for name, o in done.items() if not o.error}
     was = (old or {}).get("boxes") or {}
     record: dict[str, Any] = dict(doc) if old is None or applied == set(done) else dict(old)
     record["name"] = plan.name
     record["boxes"] = {}
+    record.pop("finished", None)  # kept here by an older version: facts of the boxes now
     for bp in settled.boxes:
         name = bp.box.name
         if name in applied:
             record["boxes"][name] = bp.recorded()
         elif name in was:
             record["boxes"][name] = was[name]
-    taken = {c.name for bp in settled.boxes if bp.box.name in applied for c in bp.queue}
-    record["finished"] = {c: b for c, b in settled.finished.items() if not (c in rerun and c in taken)}
     path = recorded_path(state, plan.name)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
@@ -236,7 +245,7 @@ def _record(
 
 async def _one(state: State, plan: Plan, plan_dir: Path, bp: BoxPlan, status: str | None) -> BoxOutcome:
     b, cells = bp.box, bp.queue
-    out = BoxOutcome(b.name, cells=[c.name for c in bp.cells], queued=[c.name for c in cells], held=bp.held)
+    out = BoxOutcome(b.name, cells=[c.name for c in bp.cells], queued=bp.queued, held=bp.held)
     now = state.find(b.name)
     if (now.status if now is not None else None) != status:  # a `down` or `up` since the look
         was, is_ = status or "not known here", now.status if now is not None else "not known here"
@@ -267,7 +276,7 @@ async def _one(state: State, plan: Plan, plan_dir: Path, bp: BoxPlan, status: st
         out.error = f"up: {e}"
         return out
     if not cells:
-        out.queue = "none"
+        out.queue = "none"  # nothing to run (a finished cell is never asked of a queue that ended)
         return out
     q = plan.queue
     policy = boxes.RestartPolicy(q.restart or "never", q.max_restarts or 3, q.restart_backoff or 10.0)

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller import boxes, gone, reach, teardown
+from controller import armed, boxes, gone, reach, teardown
 from controller.errors import ControllerError, GateRefused, Reason
 from controller.gate import Verdict
 from controller.pull import Progress, PullReport
@@ -156,7 +156,8 @@ def locked(state: State, fleet: Sequence[Box]) -> Iterator[tuple[list[Box], list
     busy: list[DownOutcome] = []
     with contextlib.ExitStack() as locks:
         for box in sorted(fleet, key=lambda b: b.name):
-            what = f"another `down {box.name}` or an `up {box.name}` is running (pid {{pid}}); wait for it"
+            other = f"another `down {box.name}` or an `up {box.name}` is running (pid {{pid}}); wait for it"
+            what = armed.blocking(state, box.name, other)  # an armed follower: named, and how to end it
             try:
                 locks.enter_context(exclusive(state.box_lock(box.name), what))
             except ControllerError as e:

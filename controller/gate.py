@@ -24,7 +24,7 @@ from pathlib import Path
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, proofs
+from controller import __version__, proofs, released
 from controller.client import SidecarClient
 from controller.errors import (
     ControllerError,
@@ -37,6 +37,7 @@ from controller.errors import (
 )
 from controller.lastlist import GoneBox, Keeper
 from controller.overlap import overlap_problem
+from controller.released import Released
 from controller.state import Box
 from controller.verify import VerifyReport, loaded_by, read_marker, verify_tree
 
@@ -76,6 +77,7 @@ class Evidence:
     accepted_server_checksum: bool = False  # the user's --accept-server-checksum
     gone: GoneBox | None = None  # --box-gone: judged from the last claims list, the box is gone
     accepted_lost: bool = False  # --accept-lost: what that list could not cover is lost with the box
+    released: Released | None = None  # a teardown under way: what its release deleted (controller.released)
 
 
 @dataclass
@@ -161,6 +163,8 @@ async def gather(
             ev.jobs = [j for j in jobs.jobs if j.state == pb.JOB_STATE_RUNNING]
             ev.strays = list(jobs.strays)
     await gather_tree(ev, reasons, box, pulled_dir, hello)
+    if client is not None and hello is not None and not ev.claims and not ev.pending:
+        ev.released = await released.gather(client, box, pulled_dir)
     return ev, reasons
 
 
@@ -244,21 +248,25 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
             )
         )
 
+    # Claims a release of this teardown deleted, held by the tree its marker verified: not an
+    # empty run, and the marker stands for them (controller.released).
+    freed = ev.released is not None and live and not ev.claims and ev.released.proves(ev.marker_digest)
     if ev.verify is not None:
         v = ev.verify
-        reasons.extend(v.reasons)
+        found = [r for r in v.reasons if not (freed and r.code == "EMPTY")]
+        reasons.extend(found)
         checks.append(
             Check(
                 "pulled tree re-verified",
-                v.ok,
+                not found,
                 f"{v.files} files, {v.bytes} bytes, exact set + size + blake3 + load probe"
                 + (
                     " (an empty run, acknowledged with verify --allow-empty)"
-                    if ev.allow_empty and not v.files
+                    if ev.allow_empty and not v.files and not freed
                     else ""
                 )
-                if v.ok
-                else f"{len(v.reasons)} problem(s) in {ev.pulled_dir}",
+                if not found
+                else f"{len(found)} problem(s) in {ev.pulled_dir}",
             )
         )
         if not ev.marker_digest:
@@ -270,10 +278,11 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
         else:
             checks.append(Check("verification marker", True, f"bound to manifest {ev.marker_digest[:16]}…"))
         if reachable:  # the box's claims are known: asked now, or its last list (gone)
+            current = {ev.box_manifest_digest} | ({ev.released.digest} if freed and ev.released else set())
             stale = []
-            if ev.marker_digest and ev.marker_digest != ev.box_manifest_digest:
+            if ev.marker_digest and ev.marker_digest not in current:
                 stale.append(f"marker is bound to {ev.marker_digest[:16]}…")
-            if v.manifest_digest and v.manifest_digest != ev.box_manifest_digest:
+            if v.manifest_digest and v.manifest_digest not in current:
                 stale.append(f"pulled MANIFEST.json is {v.manifest_digest[:16]}…")
             if stale:
                 reasons.append(
@@ -284,13 +293,12 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
                         + ": new or changed claims since verification — pull and verify again",
                     )
                 )
-            checks.append(
-                Check(
-                    "manifest current",
-                    not stale,
-                    "; ".join(stale) or f"{ev.box_manifest_digest[:16]}… on both ends",
-                )
-            )
+            both = f"{ev.box_manifest_digest[:16]}… on both ends"
+            if freed and ev.marker_digest != ev.box_manifest_digest:
+                both = "the box claims nothing: its claims went in this teardown's release (see below)"
+            checks.append(Check("manifest current", not stale, "; ".join(stale) or both))
+            if freed and ev.released is not None:
+                checks.append(Check(released.CHECK, True, released.detail(ev.released)))
     else:
         checks.append(Check("pulled tree re-verified", False, "no pulled tree"))
 
@@ -437,6 +445,7 @@ def evidence_document(ev: Evidence, reasons: list[Reason]) -> dict[str, object]:
         "accepted_server_checksum": ev.accepted_server_checksum,
         "accepted_lost": ev.accepted_lost,
         "box_gone": ev.gone.to_json() if ev.gone is not None else None,
+        "released": ev.released.digest if ev.released is not None else None,
         "jobs": [[j.id, list(j.live_pids)] for j in ev.jobs],
         "strays": [[x.pid, x.cwd] for x in ev.strays],
         "pending": [[p.path, int(p.state), p.detail] for p in ev.pending],

@@ -125,8 +125,9 @@ def parse_plan(
     known_profiles: Collection[str] | None = None,
 ) -> Plan:
     """Validate a plan's text. `base`: what a relative profile_file is relative to; `trusted`: the
-    user passed --trust-plan (ssh options that run code are taken: controller.ssh.argv.RUNS_CODE);
-    `known_profiles`: the shipped profiles' names (default: the installed ones)."""
+    user passed --trust-plan (what a plan may not ask unasked is taken: a profile file of its own,
+    and the ssh options of controller.ssh.argv.PLAN_REFUSED); `known_profiles`: the shipped
+    profiles' names (default: the installed ones)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -135,7 +136,14 @@ def parse_plan(
     queue = cells_of(top, text, file=file, default_name=default_name, plan=True)
     durable = top.text("durable", required=False, default="") or None
     known = set(profiles.available() if known_profiles is None else known_profiles)
-    plan_boxes = _boxes(top, text, file, base, known, trusted)
+    asks: list[str] = []  # what the plan asks that it may not unasked, each where it is written
+    plan_boxes = _boxes(top, text, file, base, known, asks)
+    if asks and not trusted:
+        raise UsageError(
+            "\n".join(asks) + "\na plan file may not ask for that: read the plan (a profile file with "
+            "`boxwarden profiles show --profile-file F`), and if you trust what it asks, pass --trust-plan "
+            "to `fanout up`"
+        )
     names = {b.name for b in plan_boxes}
     folded: dict[str, QueuedCellSpec] = {}
     for c in queue.cells:
@@ -162,8 +170,9 @@ def parse_plan(
 
 
 def _boxes(
-    top: Table, text: str, file: str, base: Path, known: set[str], trusted: bool
+    top: Table, text: str, file: str, base: Path, known: set[str], asks: list[str]
 ) -> tuple[PlanBox, ...]:
+    """The boxes, each checked; what one asks that a plan may not unasked is added to `asks`."""
     rows = top.rows("box")
     if len(rows) > MAX_BOXES:
         raise top.fail("box", f"{len(rows)} boxes; a plan holds at most {MAX_BOXES}")
@@ -197,6 +206,7 @@ def _boxes(
             if not path.is_file():
                 raise t.fail("profile_file", f"{str(path)!r} is not a file")
             profile_file = str(path)
+            asks += _profile_file_asks(t, text, path, known)
         watch = t.text_list("watch") or ("ckpt",)
         price = t.number_or_none("price_per_hour")
         if price is not None and (not math.isfinite(price) or price < 0):
@@ -210,7 +220,7 @@ def _boxes(
                 instance_id=t.text("instance_id", required=False, default=""),
                 watch=watch,
                 workdir=t.text("workdir", required=False, default=""),
-                ssh_options=_ssh_options(t, text, trusted),
+                ssh_options=_ssh_options(t, text, asks),
                 price_per_hour=price,
                 line=line,
             )
@@ -219,23 +229,49 @@ def _boxes(
     return tuple(out)
 
 
-def _ssh_options(t: Table, text: str, trusted: bool) -> tuple[str, ...]:
-    """The box's ssh options, each checked where it is written (its line, found by its key in the
-    box's table; else the table's header line)."""
+def _where(t: Table, text: str, key: str, value: str = "") -> str:
+    """`file:line: [[box]] N ('name')` for field `key` of the box's table: the line of its key (with
+    `value`: the first line after the key's that holds it), else the table's header line."""
     lines = text.split("\n")
+    at = t.line
+    start = None
+    for n in range(t.line or len(lines), len(lines)):  # t.line: the header's, counted from 1
+        if lines[n].lstrip().startswith("["):
+            break
+        if start is None and lines[n].lstrip().startswith(key):
+            start = n
+        if start is not None and value.lower() in lines[n].lower():
+            at = n + 1
+            break
+    where = f"{t.file}:{at}" if at else t.file
+    return f"{where}: [[box]] {t.cell} ({t.name!r})"
+
+
+def _profile_file_asks(t: Table, text: str, path: Path, shipped: Collection[str]) -> list[str]:
+    """A plan's own profile file is taken only with --trust-plan (one whose text is a shipped
+    profile's is that profile): its meter stop and poll run on this machine at `down` (an unattended
+    `down --when-safe` too), and its facts decide where the box's copies go and when they may go."""
+    mine = profiles.load_file(path)
+    if any(profiles.load(name).digest == mine.digest for name in shipped):
+        return []
+    return [
+        f"{_where(t, text, 'profile_file')}: field profile_file: {str(path)!r} is no shipped profile: its "
+        "meter stop and poll would run on this machine at `down` (an unattended `down --when-safe` too), "
+        "and its facts decide where the box's copies go and when they may be deleted (a shipped one: "
+        f"profile = one of {', '.join(sorted(shipped))})"
+    ]
+
+
+def _ssh_options(t: Table, text: str, asks: list[str]) -> tuple[str, ...]:
+    """The box's ssh options, each checked where it is written (its line, found by its key in the
+    box's `ssh_options`; else the table's header line); one a plan may not ask unasked goes to `asks`."""
     out = []
     for option in t.text_list("ssh_options"):
-        at = t.line
-        key = option.partition("=")[0].strip().lower()
-        for n in range(t.line or len(lines), len(lines)):  # t.line: the header's, counted from 1
-            if lines[n].lstrip().startswith("["):
-                break
-            if key and key in lines[n].lower():
-                at = n + 1
-                break
-        where = f"{t.file}:{at}" if at else t.file
-        where += f": [[box]] {t.cell} ({t.name!r})"
-        out.append(sshargv.check_plan_option(option, where, trusted=trusted))
+        where = _where(t, text, "ssh_options", option.partition("=")[0].strip())
+        checked, why = sshargv.check_plan_option(option, where)
+        if why:
+            asks.append(f"{where}: field ssh_options: {why}")
+        out.append(checked)
     return tuple(out)
 
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import queues, render
-from controller.state import Box
+from controller import cellfacts, queues, render
+from controller.state import Box, State
 
 _RESULT_STYLE = {"ok": "green", "failed": "bold red", "running": "cyan", "pushing": "yellow"}
 _STATE_STYLE = {
@@ -99,14 +99,22 @@ def progress(box: str) -> Callable[[pb.Queue], None]:
     return show
 
 
-def follow(box: Box, name: str, timeout_s: float, *, quiet: bool) -> pb.Queue:
-    """Follow queue `name` to its end (queues.wait_queue), printing each change unless `quiet`."""
+def follow(box: Box, name: str, timeout_s: float, *, quiet: bool, state: State | None = None) -> pb.Queue:
+    """Follow queue `name` to its end (queues.wait_queue), printing each change unless `quiet`;
+    each state seen is kept as facts of the box's run (controller.cellfacts) when `state` is given."""
+    show = (lambda _: None) if quiet else progress(box.name)
+
+    def on_change(q: pb.Queue) -> None:
+        if state is not None:
+            cellfacts.learn(state, box, [q])
+        show(q)
+
     return asyncio.run(
         queues.wait_queue(
             box,
             name,
             timeout_s,
-            on_change=(lambda _: None) if quiet else progress(box.name),
+            on_change=on_change,
             on_unreachable=lambda why: render.warn(f"{why}; still waiting"),
         )
     )

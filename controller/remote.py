@@ -17,7 +17,9 @@ The state root (`~/.boxwarden`, or `<tier>/.boxwarden` with --state-on-durable),
 and tightens existing ones that others can enter (an older boxwarden made them under the login's
 umask, usually 0755): they are boxwarden's by name and nothing in them is meant for another user,
 so a chmod takes nothing from anyone. One that belongs to another user, or is not a directory, is
-refused: boxwarden cannot make it private, and whoever owns it could change what the box runs.
+refused: boxwarden cannot make it private, and whoever owns it could change what the box runs. A
+symbolic link there is refused unless the SSH user owns it (whoever owns a link chose where it
+leads, whatever the owner of its target); the SSH user's own link is judged by what it leads to.
 """
 
 from __future__ import annotations
@@ -85,11 +87,16 @@ if out["writable"] or os.path.lexists(root):
             out["private"].append([d, "cannot create it: %s" % e.strerror])
             break
         try:
-            st = os.stat(d)
+            st = os.lstat(d)  # a link is judged by its own owner first: whoever owns it chose where it leads
+            if stat.S_ISLNK(st.st_mode) and st.st_uid == os.getuid():
+                st = os.stat(d)  # the SSH user's own link: what it leads to is judged
         except OSError as e:
             out["private"].append([d, "cannot look at it: %s" % e.strerror])
             break
-        if not stat.S_ISDIR(st.st_mode):
+        if stat.S_ISLNK(st.st_mode):
+            who = (st.st_uid, os.getuid())
+            out["private"].append([d, "it is a symbolic link of uid %d, not of the SSH user (uid %d)" % who])
+        elif not stat.S_ISDIR(st.st_mode):
             out["private"].append([d, "it is not a directory"])
         elif st.st_uid != os.getuid():
             who = (st.st_uid, os.getuid())

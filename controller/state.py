@@ -7,7 +7,8 @@ and keeps the teardown audit log; `exclusive` is the per-box lock that lets one 
 time. Claims live on the box and are asked for fresh by every command that can reach it; the last
 complete claims list received from each box is kept too (`controller.lastlist`), as evidence of
 what the box claimed then: it is read only when the box is gone (`pull --from durable`, `down
---box-gone`), never in place of asking a box that answers.
+--box-gone`), never in place of asking a box that answers. What the queues of each box's run said
+of each cell is kept as well (controller.cellfacts): a box's finished cells outlive its teardown.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import os
 import sqlite3
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,6 +47,10 @@ CREATE TABLE IF NOT EXISTS last_claims(
 CREATE TABLE IF NOT EXISTS durable_pulls(
     box TEXT PRIMARY KEY, run_id TEXT NOT NULL, manifest_digest TEXT NOT NULL,
     list_received_at_ns INTEGER NOT NULL, pulled_dir TEXT NOT NULL, at_ns INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS cells(
+    box TEXT NOT NULL, run_id TEXT NOT NULL, cell TEXT NOT NULL, seen_at_ns INTEGER NOT NULL,
+    record TEXT NOT NULL, PRIMARY KEY (box, run_id, cell));
+CREATE INDEX IF NOT EXISTS cells_by_name ON cells(cell);
 """  # every statement idempotent: opening a state DB of an older version adds what it lacks
 
 
@@ -322,6 +327,41 @@ class State:
             (box,),
         ).fetchone()
         return None if row is None else DurablePull(box, row[0], row[1], int(row[2]), row[3], int(row[4]))
+
+    def merge_cells(
+        self,
+        box: str,
+        run_id: str,
+        found: Mapping[str, Mapping[str, Any]],
+        merge: Callable[[Mapping[str, Any] | None, Mapping[str, Any]], Mapping[str, Any]],
+    ) -> None:
+        """Keep what a queue listing of the box's run said of each cell (`found`: cell -> record),
+        each as `merge(kept, new)` makes it, in one transaction (controller.cellfacts)."""
+        now = time.time_ns()
+        with self._tx() as db:
+            for cell, new in found.items():
+                row = db.execute(
+                    "SELECT record FROM cells WHERE box = ? AND run_id = ? AND cell = ?", (box, run_id, cell)
+                ).fetchone()
+                record = merge(json.loads(row[0]) if row else None, new)
+                db.execute(
+                    "INSERT OR REPLACE INTO cells(box, run_id, cell, seen_at_ns, record) VALUES (?,?,?,?,?)",
+                    (box, run_id, cell, now, json.dumps(record, sort_keys=True)),
+                )
+
+    def cells(self, names: Sequence[str]) -> list[tuple[str, str, str, int, dict[str, Any]]]:
+        """What was kept of cells `names` on every box and run: (box, run id, cell, when, record)."""
+        rows: list[tuple[str, str, str, int, dict[str, Any]]] = []
+        for name in sorted(set(names)):
+            rows += [
+                (r[0], r[1], r[2], int(r[3]), json.loads(r[4]))
+                for r in self._db.execute(
+                    "SELECT box, run_id, cell, seen_at_ns, record FROM cells WHERE cell = ? "
+                    "ORDER BY seen_at_ns",
+                    (name,),
+                )
+            ]
+        return rows
 
     def audit(self, box: str, record: Mapping[str, object]) -> int:
         """Append one teardown record (who confirmed, when, evidence digest, actions, results)."""

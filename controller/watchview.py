@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import armed, boxes, queues, render
+from controller import armed, boxes, cellfacts, queues, render
 from controller.errors import ControllerError, SidecarMismatch
 from controller.reach import connect
 from controller.state import Box, State
@@ -69,6 +69,7 @@ async def poll(state: State, seen: Seen, queue_name: str, interval_s: float) -> 
                                 c.list_queues(queue_name, brief=True), POLL_DEADLINE_S
                             )
                             seen.queue = qs[0] if qs else None
+                            cellfacts.learn(state, seen.box, qs)
                     seen.row = boxes.BoxStatus(seen.box, hello, snap).row()
                     seen.at, seen.error, seen.mismatch, pause = time.monotonic(), "", False, 1.0
         except (ControllerError, TimeoutError) as e:

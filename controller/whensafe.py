@@ -22,19 +22,20 @@ from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, armed, boxes, reach, teardown
+from controller import __version__, armed, boxes, cellfacts, reach, released, teardown
 from controller.errors import ControllerError, GateRefused, Reason, StateError, UsageError
 from controller.overlap import destination_problem, overlap_problem
 from controller.state import Box, State
-from controller.verify import verify_tree
+from controller.verify import read_marker, verify_tree
 
 POLL_S = 5.0
 ASK_S = 10.0  # how long one look at the box may take
 
 
-async def waiting_for(box: Box, pull_to: Path) -> list[str]:
+async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> list[str]:
     """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle.
-    Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes."""
+    Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes.
+    With `state`, what the box's queues say is kept (controller.cellfacts)."""
     try:
         async with asyncio.timeout(ASK_S), reach.connect(box) as c:
             hello = await c.hello()
@@ -42,6 +43,8 @@ async def waiting_for(box: Box, pull_to: Path) -> list[str]:
             found = await c.list_queues(brief=True)
     except (ControllerError, TimeoutError) as e:
         return [f"an answer from its sidecar ({str(e) or f'none within {ASK_S:.0f} s'})"]
+    if state is not None:
+        cellfacts.learn(state, box, found)
     problem = overlap_problem(pull_to, hello) or destination_problem(pull_to)
     if problem:
         raise UsageError(f"--pull-to {pull_to}: {problem}; nothing was torn down")
@@ -51,6 +54,18 @@ async def waiting_for(box: Box, pull_to: Path) -> list[str]:
         if left and not q.stopped:
             out.append(f"queue {q.name}'s cells {', '.join(left)}")
     return out
+
+
+def may_start_again(j: pb.Job) -> bool:
+    """The job failed and its restart policy may start it again (the sidecar's rule: a nonzero exit
+    or a signal, restarts left). A job stopped while it waited reads the same here (the listing
+    does not say which restarts are still due), so this only ever keeps a follower waiting."""
+    return (
+        j.state == pb.JOB_STATE_EXITED
+        and j.exit_code != 0
+        and j.restart == "on-failure"
+        and j.restarts < j.max_restarts
+    )
 
 
 async def follow(
@@ -82,7 +97,7 @@ async def follow(
             if earlier is not None and not told:  # its sidecar answers: through the whole gate again
                 told = True
                 report(f"its teardown did not finish ({earlier.describe()}): continued through the gate")
-            why = await waiting_for(box, pull_to)
+            why = await waiting_for(box, pull_to, state)
             if not why:
                 why = await _evidence(state, box, pull_to, allow_empty)
             if not why:
@@ -112,6 +127,8 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
         return [f"the pull ({e})"]
     if rep.unavailable:
         return [f"the pull: {', '.join(sorted(rep.unavailable))} unavailable"]
+    if await _released_here(box, pull_to):
+        return []  # verified before this teardown's release: the gate hashes it again as it stands
     checked = await asyncio.to_thread(
         verify_tree,
         pull_to,
@@ -122,7 +139,20 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
     )
     why = [f"{r.code} {r.path}".strip() for r in checked.reasons]
     if any(r.code == "EMPTY" for r in checked.reasons):
-        listing = await reach.artifacts(box)
+        try:
+            async with reach.connect(box) as c:
+                await c.hello()
+                listing = await c.list_artifacts()
+                jobs = await c.list_jobs()  # every job, ended ones too (the health snapshot's are live)
+        except ControllerError as e:
+            return [*why, f"an answer from its sidecar ({e})"]
+        again = [j.id for j in jobs.jobs if may_start_again(j)]
+        if again and not listing.total_claims:  # it may yet write: not empty for good
+            return [
+                f"EMPTY (nothing claimed yet; job {', '.join(again)} failed and its restart policy may start "
+                "it again. If it was stopped, nothing more will come: Ctrl-C, then arm it with "
+                "--allow-empty or leave it to `down`)"
+            ]
         if not listing.total_claims and not listing.total_pending:  # idle, and nothing on the way
             raise GateRefused(
                 f"{box.name} runs nothing and its watched dirs hold nothing: an empty run never passes the "
@@ -130,6 +160,25 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
                 [Reason("EMPTY", detail="no claims, nothing in flight, no job or cell to run")],
             )
     return why
+
+
+async def _released_here(box: Box, pull_to: Path) -> bool:
+    """This teardown's release deleted the box's claims (its answer was lost) and the tree holds
+    them as its marker verified them (controller.released). A verify now would find a box that
+    claims nothing, call the run empty and remove that marker: the gate judges the tree as it is."""
+    if box.status != "tearing-down":
+        return False
+    try:
+        marker = read_marker(pull_to)
+        async with reach.connect(box) as c:
+            await c.hello()
+            listing = await c.list_artifacts()
+            if listing.total_claims or listing.total_pending:
+                return False
+            freed = await released.gather(c, box, pull_to)
+    except ControllerError:
+        return False
+    return marker is not None and freed is not None and freed.proves(str(marker.get("manifest_digest", "")))
 
 
 def _line(r: Reason) -> str:

@@ -1,5 +1,6 @@
 """Trust on the box side (issue 25, finding 7). boxwarden's own directories on a box are 0700: made
-so, or tightened when an older boxwarden left them open, and refused when another user owns one.
+so, or tightened when an older boxwarden left them open, and refused when another user owns one
+(or owns a symbolic link in its place).
 A wheelhouse is installed only by the sha256 digests this controller computed: a wheel changed
 after it was hashed, or one in the box's wheel directory that the controller did not send, stops
 the install before anything of it runs, saying which. A real sshd on loopback, box users of its
@@ -68,6 +69,16 @@ def test_a_box_dir_another_user_owns_is_refused_and_left_alone(remote: Remote) -
     assert f"belongs to uid {other.uid}" in r["stderr"] and "remove it" in r["stderr"]
     assert not sidecars(box)
     assert (state.stat().st_uid, mode(state)) == (other.uid, 0o755) and list(state.iterdir()) == []
+    # Another user's link there, to a directory the SSH user owns: that user chose where it leads.
+    shutil.rmtree(state)
+    mine = box.home / "mine"
+    as_box(box, mine, perm=0o700)
+    state.symlink_to(mine)
+    os.lchown(state, other.uid, other.gid)
+    r = remote.up(box, code=1)
+    assert f"{state} must be a private directory" in r["stderr"], r["stderr"]
+    assert f"it is a symbolic link of uid {other.uid}" in r["stderr"]
+    assert not sidecars(box) and list(mine.iterdir()) == []
 
 
 class Tampering(SshConnector):

@@ -1,8 +1,11 @@
 """`fanout up PLAN` through the real CLI with real local boxes: every box comes up, each gets its
-cells as a queue, a second run changes nothing and runs no cell again, a changed plan is shown and
-applied only when confirmed, and two boxes that would watch one directory are refused. A plan is
-applied by identity: a cell added at the top moves no other cell, a box torn down stays down (and
-its finished cell never runs again) unless asked, and a change that failed is shown again."""
+cells as a queue, a second run changes nothing and runs no cell again (nor one whose command changed:
+it is held, saying why), a changed plan is shown and applied only when confirmed, and two boxes that
+would watch one directory are refused. A plan is applied by identity: a cell added at the top moves
+no other cell, a plan copied under another name runs nothing that finished, a box torn down stays
+down unless asked and what it finished never runs again (not even once it is brought up again by
+hand) while what it did not finish is said and runs where the plan moves it, and a change that
+failed is shown again."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 
 from tests.cellscript import cell_argv, runs
 from tests.conftest import Bw
+from tests.controller.test_meter_stop import fake_profile
 
 
 def write_plan(path: Path, marks: Path, cells: str, boxes: str = "", *flags: str) -> Path:
@@ -55,10 +59,20 @@ def test_fanout_up_spreads_the_cells_and_a_second_run_changes_nothing(
     assert sorted(p.name for p in (tmp_path / "f2" / "ckpt").iterdir()) == ["b"]
 
     again = bw.json("fanout", "up", str(plan))
-    assert {b["box"]: b["up"] for b in again["boxes"]} == {"f1": "running", "f2": "running"}
-    for box in ("f1", "f2"):
-        r = bw("queue", box, "sweep", "--wait", "--timeout", "60", "--json", timeout=120)
-        assert {c["state"] for c in json.loads(r.stdout)["cells"]} == {"skipped"}
+    got = {b["box"]: (b["up"], b["queue"], b["queued"], sorted(b["held"])) for b in again["boxes"]}
+    assert got == {"f1": ("running", "none", [], ["a", "c"]), "f2": ("running", "none", [], ["b"])}
+    assert again["boxes"][1]["held"]["b"].startswith("it finished on f2: done (job ")
+    for box in ("f1", "f2"):  # the queues were left as they ended
+        assert {c["state"] for c in bw.json("queue", box, "sweep")["cells"]} == {"done"}
+    # b's command changes: held, saying why; never reported queued, then skipped by its box's queue.
+    write_plan(plan, marks, CELLS.replace('name = "b"\n', 'name = "b"\nenv = { LR = "3e-4" }\n'))
+    r = bw("fanout", "up", str(plan), "--yes", "--json")
+    f2 = json.loads(r.stdout)["boxes"][1]
+    assert (f2["queue"], f2["queued"]) == ("none", []), r.stderr
+    assert "the plan gives it another command (argv, cwd or env) now" in f2["held"]["b"]
+    assert "cell b: not run on f2: it finished on f2" in r.stderr and "boxwarden run f2 --cell b" in r.stderr
+    r = bw("fanout", "up", str(plan), "--yes", "--rerun", "b")  # its box's queue cannot: said how instead
+    assert r.returncode == 2 and "--rerun b: b finished on f2" in r.stderr and "protocol" in r.stderr
     assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]  # no cell ran again
 
 
@@ -94,6 +108,15 @@ def test_a_cell_added_at_the_top_moves_no_other_cell(bw: Bw, tmp_path: Path, mar
     assert {b["box"]: b["cells"] for b in doc["boxes"]} == {"f1": ["c0", "c1", "c3"], "f2": ["c2"]}
     wait_queues(bw, "f1", "f2")
     assert [len(runs(marks, c)) for c in ("c0", "c1", "c2", "c3")] == [1, 1, 1, 1]
+    # The plan copied under a new name (its default name is the file's): the boxes' finished cells
+    # are theirs whatever the plan's name, and stay where they finished; only the new cell runs.
+    copy = tmp_path / "sweep-v2.toml"
+    copy.write_text(plan.read_text().replace('name = "sweep"\n', "") + '\n[[cell]]\nname = "c4"\n')
+    doc = bw.json("fanout", "up", str(copy))
+    got = {b["box"]: (b["cells"], b["queued"], sorted(b["held"])) for b in doc["boxes"]}
+    assert got == {"f1": (["c0", "c1", "c3"], [], ["c0", "c1", "c3"]), "f2": (["c2", "c4"], ["c4"], ["c2"])}
+    assert bw("queue", "f2", "sweep-v2", "--wait", "--timeout", "90", timeout=120).returncode == 0
+    assert [len(runs(marks, c)) for c in ("c0", "c1", "c2", "c3", "c4")] == [1, 1, 1, 1, 1]
 
 
 def test_a_change_that_failed_on_every_box_is_shown_again(bw: Bw, tmp_path: Path, marks: Path) -> None:
@@ -109,12 +132,17 @@ def test_a_change_that_failed_on_every_box_is_shown_again(bw: Bw, tmp_path: Path
     assert "box f1: watch ['ckpt'] -> ['other']" in r.stderr and "box f2: watch" in r.stderr
 
 
-def test_a_torn_down_box_stays_down_and_its_finished_cell_runs_again_only_when_asked(
+def test_a_torn_down_box_stays_down_and_what_it_finished_never_runs_again_unasked(
     bw: Bw, tmp_path: Path, marks: Path
 ) -> None:
-    plan = write_plan(tmp_path / "sweep.toml", marks, CELLS, "", "--safetensors")
+    failing = CELLS + '\n[[cell]]\nname = "d"\nbox = "f2"\nenv = { CELL_EXIT = "3" }\n'  # f2: c and d
+    plan = write_plan(tmp_path / "sweep.toml", marks, failing, "", "--safetensors")
+    plan.write_text(
+        plan.read_text().replace('name = "sweep"\n', 'name = "sweep"\nroster = ["a", "b", "c"]\n')
+    )
     bw.ok("fanout", "up", str(plan))
-    wait_queues(bw, "f1", "f2")
+    wait_queues(bw, "f1")
+    assert bw("queue", "f2", "sweep", "--wait", "--timeout", "90", timeout=120).returncode == 1  # d failed
     pulled = tmp_path / "pulled-f2"
     bw.ok("pull", "f2", "--to", str(pulled))
     bw.ok("verify", str(pulled))
@@ -123,20 +151,56 @@ def test_a_torn_down_box_stays_down_and_its_finished_cell_runs_again_only_when_a
     r = bw("fanout", "up", str(plan), "--json")  # the plan unchanged
     assert r.returncode == 0, r.stderr
     assert "box f2: torn down, not started again (`fanout up --restart-box f2` starts it)" in r.stderr
-    assert "its cells b ended with it" in r.stderr
+    # Only what its queue said done finished there; d failed, and says so (never "finished").
+    assert "its cells c finished; cells d did not finish and wait for it (d: failed: exit 3 (job " in r.stderr
     got = {b["box"]: (b["up"], b["queued"]) for b in json.loads(r.stdout)["boxes"]}
-    assert got == {"f1": ("running", ["a", "c"]), "f2": ("down", [])}
+    assert got == {"f1": ("running", []), "f2": ("down", [])}
     assert {x["box"]: x["status"] for x in bw.json("status")["boxes"]}["f2"] == "down"
-    wait_queues(bw, "f1")
-    assert [len(runs(marks, c)) for c in "abc"] == [1, 1, 1]  # nothing that finished ran again
+    assert [len(runs(marks, c)) for c in "abcd"] == [1, 1, 1, 1]  # nothing that finished ran again
 
-    r = bw("fanout", "up", str(plan), "--restart-box", "f2")
-    assert r.returncode == 2 and "--restart-box f2: nothing would run on it" in r.stderr, r.stderr
-    doc = bw.json("fanout", "up", str(plan), "--restart-box", "f2", "--rerun", "b")
-    got = {b["box"]: (b["up"], b["queued"]) for b in doc["boxes"]}
-    assert got == {"f1": ("running", ["a", "c"]), "f2": ("started", ["b"])}
+    # d, which did not finish, runs where the plan moves it.
+    write_plan(plan, marks, CELLS + '\n[[cell]]\nname = "d"\nbox = "f1"\n', "", "--safetensors")
+    plan.write_text(
+        plan.read_text().replace('name = "sweep"\n', 'name = "sweep"\nroster = ["a", "b", "c"]\n')
+    )
+    r = bw("fanout", "up", str(plan), "--yes", "--json")
+    assert {b["box"]: b["queued"] for b in json.loads(r.stdout)["boxes"]} == {"f1": ["d"], "f2": []}
+    assert "cell d: runs on f1; it did not finish on f2: failed: exit 3" in r.stderr
+    wait_queues(bw, "f1")
+
+    # f2 brought up again by hand: a new run, whose sidecar knows nothing of c. It stays finished.
+    bw.ok("up", "f2", "--profile", "local", "--workdir", str(tmp_path / "f2"), "--watch", "ckpt")
+    r = bw("fanout", "up", str(plan), "--json", "--yes")  # (f2 was down when d left it: shown now)
+    f2 = json.loads(r.stdout)["boxes"][1]
+    assert (f2["up"], f2["queue"], f2["queued"]) == ("running", "none", []), r.stderr
+    assert f2["held"]["c"].startswith("it finished on f2 in an earlier run (")
+    assert [len(runs(marks, c)) for c in "abcd"] == [1, 1, 1, 2]
+    doc = bw.json("fanout", "up", str(plan), "--rerun", "c")  # asked for: it runs once more
+    assert {b["box"]: b["queued"] for b in doc["boxes"]} == {"f1": [], "f2": ["c"]}
     wait_queues(bw, "f2")
-    assert [len(runs(marks, c)) for c in "abc"] == [1, 2, 1]  # b once more: asked for
+    assert [len(runs(marks, c)) for c in "abcd"] == [1, 1, 2, 2]
+
+
+def test_a_plan_s_own_profile_file_is_taken_only_with_trust_plan(bw: Bw, tmp_path: Path) -> None:
+    """A shared plan's profile_file names the commands `down` runs here (an unattended --when-safe
+    too): one that is no shipped profile is refused, nothing started, unless --trust-plan."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    fake_profile(shared)  # its meter stop runs a program of the plan author's choosing, here
+    plan = shared / "plan.toml"
+    plan.write_text(
+        'name = "p"\n[defaults]\ncommand = ["true"]\n\n[[box]]\nname = "g1"\n'
+        'profile_file = "fakecloud.toml"\ninstance_id = "i-1"\n\n[[cell]]\nname = "a"\n'
+    )
+    r = bw("fanout", "up", str(plan))
+    assert r.returncode == 2, r.stderr
+    assert (
+        f"{plan}:7: [[box]] 1 ('g1'): field profile_file: '{shared / 'fakecloud.toml'}' is no shipped"
+        in r.stderr
+    )
+    assert "--trust-plan" in r.stderr and bw.json("status")["boxes"] == []  # nothing started or recorded
+    doc = bw.json("fanout", "up", str(plan), "--trust-plan")
+    assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [("g1", "started", "")]
 
 
 def test_two_boxes_that_would_watch_one_directory_are_refused(bw: Bw, tmp_path: Path) -> None:

@@ -71,7 +71,7 @@ def test_a_plan_over_three_boxes_watched_pulled_and_torn_down_where_safe(
     plan = tmp_path / "plan.toml"
     plan.write_text(plan_text(remote, gate))
     try:
-        doc = bw.json("fanout", "up", str(plan))
+        doc = bw.json("fanout", "up", str(plan), "--trust-plan")  # its profile file is the test's own
         got = {b["box"]: (b["up"], b["queue"], b["cells"]) for b in doc["boxes"]}
         assert got == {
             "r1": ("running", "queued", ["a", "b"]),
@@ -149,6 +149,8 @@ def test_a_plan_whose_ssh_option_runs_a_command_is_taken_only_with_trust_plan(
     assert refused.returncode == 2, refused.stderr
     where = f"{plan}:11: [[box]] 1 ('{box.alias}'): field ssh_options"
     assert f"{where}: ProxyCommand runs a command" in refused.stderr
+    profile = f"{plan}:7: [[box]] 1 ('{box.alias}'): field profile_file: '{remote.profile}' is no shipped"
+    assert profile in refused.stderr  # every ask at once
     assert "--trust-plan" in refused.stderr
     assert not ran.exists() and bw.json("status")["boxes"] == []  # nothing ran, nothing was recorded
 

@@ -1,7 +1,8 @@
 """Issue 25, finding 5: boxwarden's own processes never hold a local box's `down`, and a process that
 does is named as a stray (STRAY_PROCESS), never called a job. A real `boxwarden watch` opened in the
 workdir, a real `down ... | tail` under job control (and the same without it, where a trainer in the
-background must still count), and a real ControlMaster started by `up` of a remote box (the sshd
+background must still count), boxwarden's own followers of another box (`run --wait`, `drain --wait`,
+`down --when-safe`) started there, and a real ControlMaster started by `up` of a remote box (the sshd
 fixture) from a local box's workdir."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     write_as_box,
 )
 from tests.test_review4_e2e import NAME
-from tests.test_review7_e2e import settled
+from tests.test_review7_e2e import settled, stray_reasons
 
 CLI = [sys.executable, "-m", "controller"]
 
@@ -54,6 +55,43 @@ def test_a_watch_opened_in_the_workdir_never_holds_down(bw: Bw, command: list[st
     finally:
         watch.kill()
         watch.wait()
+
+
+def test_boxwardens_followers_of_another_box_started_in_the_workdir_never_hold_down(
+    bw: Bw, tmp_path: Path
+) -> None:
+    """`run --wait`, `drain --wait` and `down --when-safe` of another box may follow it for hours:
+    started in this box's workdir, each leaves it (for "/") once its paths are resolved."""
+    settled(bw)
+    other = tmp_path / "otherwork"
+    other.mkdir()
+    bw.ok("up", "y", "--profile", "local", "--workdir", str(other), "--watch", "ckpt")
+    (other / "ckpt" / "cell-a").mkdir(parents=True)
+    os.symlink("/etc/hostname", other / "ckpt" / "cell-a" / "link.pt")  # never claimed: both wait on
+    commands = [
+        ["run", "y", "--cell", "c1", "--cell", "c2", "--wait", "--", "sleep", "60"],
+        ["drain", "y", "--wait", "--timeout", "120"],
+        ["down", "y", "--confirm", "y", "--when-safe", "--pull-to", "pulled-y", "--poll", "1"],
+    ]
+    procs = [
+        subprocess.Popen(
+            [*CLI, *argv], cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+        )
+        for argv in commands
+    ]
+    try:
+        for proc in procs:
+
+            def left(proc: subprocess.Popen[bytes] = proc) -> bool:
+                assert proc.poll() is None, f"{proc.args} ended"
+                return os.readlink(f"/proc/{proc.pid}/cwd") == "/"
+
+            wait_until(left, timeout=60, what="it to leave the workdir")
+        assert stray_reasons(bw) == []
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 def in_a_shell(

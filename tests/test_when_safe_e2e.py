@@ -2,11 +2,14 @@
 last job runs, it pulls and verifies once the job ended and tears the box down through the usual
 gate, never before (the journal's order says so); a box whose evidence never completes is never
 torn down; `watch` shows the box armed. A refused release is one more reason to wait; what can
-never pass is refused at once; a SIGTERM says what is left and arming again continues it; the
-follower names itself to a command it blocks, and a pid reused since never shows a box armed."""
+never pass is refused at once (not a run whose failed job may be started again); a SIGTERM says
+what is left and arming again continues it, as does a release whose answer was lost; the follower
+names itself to a command it blocks (`down --all` too), and a pid reused since never shows a box
+armed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,6 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from controller import reach
 from controller.armed import process_start
 from controller.state import State
 from controller.teardown import RELEASE
@@ -48,6 +54,7 @@ save(out / "step-2.safetensors")
 )
 # Saves its checkpoint, then fails: with --restart on-failure it waits to be started again.
 FAILS = SAVE + "sys.exit(1)\n"
+FAILS_EMPTY = "import sys; sys.exit(1)\n"  # fails before it writes anything
 
 
 def follower(bw: Bw, pulled: Path, log: Path) -> subprocess.Popen[bytes]:
@@ -103,7 +110,11 @@ def test_a_box_whose_evidence_never_completes_is_never_torn_down(bw: Bw, tmp_pat
     proc = follower(bw, pulled, log)
     try:
         wait_until(lambda: "waiting for" in log.read_text() and "UNCLAIMABLE" in log.read_text(), timeout=60)
-        for blocked in (("up", NAME, "--profile", "local"), ("down", NAME, "--confirm", NAME)):
+        for blocked in (
+            ("up", NAME, "--profile", "local"),
+            ("down", NAME, "--confirm", NAME),
+            ("down", "--all", "--confirm-count", "1"),
+        ):
             r = bw(*blocked)  # the follower holds the box: it says who it is and how to stop it
             assert r.returncode != 0 and f"{NAME} is armed" in r.stderr, r.stderr
             assert f"--when-safe` (pid {proc.pid}, since " in r.stderr and f"kill -INT {proc.pid}" in r.stderr
@@ -175,6 +186,21 @@ def test_what_can_never_pass_is_refused_at_once(bw: Bw, tmp_path: Path) -> None:
     r = bw(*arm, "--pull-to", str(pulled), timeout=60)  # nothing ran, nothing is in its watched dir
     assert r.returncode == 3 and "an empty run never passes the gate" in r.stderr, r.stderr
     assert "--allow-empty" in r.stderr and bw.json("status", NAME)["boxes"][0]["status"] == "up"
+    # A job that failed before it wrote anything and may be started again: not empty for good.
+    again = ["--restart", "on-failure", "--restart-backoff", "300", "--", sys.executable, "-c", FAILS_EMPTY]
+    job = json.loads(bw.ok("run", NAME, "--json", "--cell", "cell-a", *again).stdout)["id"]
+    wait_until(lambda: bw.json("status", NAME)["boxes"][0]["jobs_running"] == 0, what="the job failed")
+    log = tmp_path / "follower.log"
+    proc = follower(bw, pulled, log)
+    try:
+        said = "its restart policy may start it again"
+        wait_until(lambda: said in log.read_text() or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None and said in log.read_text(), log.read_text()  # still following
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    finally:
+        stop(proc)
+    bw.ok("stop", NAME, job)  # never started again now
     doc = bw.json(*arm, "--pull-to", str(pulled), "--allow-empty")
     assert doc["teardown"]["gone"] is True
 
@@ -210,4 +236,66 @@ def test_a_sigterm_says_what_is_left_and_arming_again_continues_the_teardown(bw:
     assert proc.returncode == 0, log.read_text()
     assert json.loads(out)["teardown"]["gone"] is True
     assert "nothing left" not in log.read_text()
+    assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
+
+
+@pytest.mark.parametrize("how", ["when-safe", "down", "not recorded"])
+def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
+    bw: Bw, tmp_path: Path, how: str
+) -> None:
+    """The release finished on the box, its answer never came back (the review's simulation: the
+    step recorded, ReleaseArtifacts asked directly). Armed again, or pulled and `down` again, the
+    gate sees the claims released by this teardown, held by the tree it verified: not an empty run.
+    A release the record does not show was asked for proves nothing: refused as before."""
+    p = bw.up(NAME)
+    save_weights(p["watch"] / "cell-a" / "one.safetensors", seed=1)
+    save_weights(p["watch"] / "cell-b" / "two.safetensors", seed=2)
+    bw.wait_durable(NAME, 2)
+    pulled = tmp_path / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    digest = bw.json("down", NAME, "--dry-run", "--pulled", str(pulled))["manifest_digest"]
+    state = State(bw.home)
+    box = state.get(NAME)
+    if how != "not recorded":
+        state.step(box.with_(status="tearing-down"), RELEASE, "no answer yet")
+    state.close()
+
+    async def release() -> list[str]:
+        async with reach.connect(box) as c:
+            await c.hello()
+            return list((await c.release(digest)).deleted)
+
+    assert sorted(asyncio.run(release())) == ["cell-a/one.safetensors", "cell-b/two.safetensors"]
+    if how == "when-safe":
+        r = bw(
+            "down",
+            NAME,
+            "--confirm",
+            NAME,
+            "--when-safe",
+            "--pull-to",
+            str(pulled),
+            "--poll",
+            "0.3",
+            "--json",
+        )
+    else:
+        bw.ok("pull", NAME, "--to", str(pulled))  # the box claims nothing: both kept, listed as retired
+        r = bw("down", NAME, "--confirm", NAME, "--pulled", str(pulled), "--json")
+    if how == "not recorded":
+        assert r.returncode == 3, r.stderr
+        assert {x["code"] for x in json.loads(r.stdout)["reasons"]} >= {"EMPTY", "MANIFEST_STALE"}
+        assert bw.json("status", NAME)["boxes"][0]["status"] == "up"
+        return
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["teardown"]["gone"] is True
+    if how == "down":
+        rows = {c["check"]: c for c in doc["checks"]}
+        assert rows["released by this teardown"]["ok"] is True
+        assert (
+            "2 claims were deleted on it by the release this teardown asked for"
+            in rows["released by this teardown"]["detail"]
+        )
     assert bw.json("status", NAME)["boxes"][0]["status"] == "down"

@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from controller import armed, boxes, fleetops, gone, pathtext, reach, render, teardown
-from controller.cli.options import durable_credentials_option, json_flag, open_state
+from controller.cli.options import durable_credentials_option, json_flag, open_state, stand_aside
 from controller.errors import EXIT_ERROR, ControllerError, GateRefused, Reason, UsageError
 from controller.gate import Verdict
 from controller.state import Box, State, exclusive
@@ -278,6 +278,7 @@ def _when_safe(
     box = state.get(name)
     dest = (pull_to or (Path(box.pulled_dir) if box.pulled_dir else Path(f"pulled-{name}"))).resolve()
     pathtext.check_path_text(dest, "--pull-to")
+    stand_aside()  # it follows for hours: never from a local box's workdir (a stray there holds the gate)
 
     async def manual_done(steps: str) -> bool:
         render.manual_steps(name, steps)

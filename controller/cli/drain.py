@@ -13,7 +13,7 @@ from contextlib import nullcontext
 import click
 
 from controller import drain, render
-from controller.cli.options import json_flag, open_state
+from controller.cli.options import json_flag, open_state, stand_aside
 from controller.errors import EXIT_REFUSED, UsageError
 
 DEFAULT_TIMEOUT_S = 3600
@@ -36,6 +36,8 @@ def command(name: str, wait: bool, timeout_s: int | None, as_json: bool) -> None
     if timeout_s is not None and not wait:
         raise UsageError("--timeout goes with --wait")
     box = open_state().get(name)
+    if wait:
+        stand_aside()  # it may wait an hour: never from a local box's workdir (a stray there)
     shown = render.drain_progress(name) if wait else nullcontext(None)
     with shown as on_progress:
         timeout = (timeout_s or DEFAULT_TIMEOUT_S) if wait else 0

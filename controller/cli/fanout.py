@@ -25,8 +25,10 @@ def command() -> None:
 @click.option(
     "--trust-plan",
     is_flag=True,
-    help="Take the plan's ssh options that run or load code on this machine (ProxyCommand, "
-    "LocalCommand, ...): only for a plan you read and trust.",
+    help="Take what a plan may not ask unasked: a profile_file of its own (its commands run here at "
+    "`down`), ssh options that run code here, send this machine's secrets, weaken host-key checking "
+    "or open ports (ProxyCommand, SendEnv, StrictHostKeyChecking=no, LocalForward, ...): only for a "
+    "plan you read and trust.",
 )
 @click.option(
     "--rerun",

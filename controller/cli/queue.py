@@ -8,7 +8,7 @@ import asyncio
 
 import click
 
-from controller import queues, queueview, render
+from controller import cellfacts, queues, queueview, render
 from controller.cli.options import grace_option, json_flag, open_state, queue_timeout_option, stand_aside
 from controller.errors import UsageError
 
@@ -33,10 +33,12 @@ def command(
         raise UsageError("--wait and --stop need the QUEUE's name: boxwarden queue NAME QUEUE --wait")
     if wait and stop:
         raise UsageError("give either --wait or --stop")
-    box = open_state().get(name)
+    state = open_state()
+    box = state.get(name)
     stand_aside()
     if not queue_name:
         qs = asyncio.run(queues.list_queues(box, brief=True))
+        cellfacts.learn(state, box, qs)
         if as_json:
             render.json_out({"box": name, "queues": [queues.to_json(name, q) for q in qs]})
         else:
@@ -45,9 +47,10 @@ def command(
     if stop:
         q = asyncio.run(queues.stop_queue(box, queue_name, grace))
     elif wait:
-        q = queueview.follow(box, queue_name, timeout, quiet=as_json)
+        q = queueview.follow(box, queue_name, timeout, quiet=as_json, state=state)
     else:
         q = queues.pick(box, asyncio.run(queues.list_queues(box, queue_name)), queue_name)
+    cellfacts.learn(state, box, [q])
     if as_json:
         render.json_out(queues.to_json(name, q))
     else:

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from controller import boxes, cellsfile, queues, queueview, render
-from controller.cli.options import json_flag, open_state, queue_timeout_option
+from controller.cli.options import json_flag, open_state, queue_timeout_option, stand_aside
 from controller.errors import UsageError
 
 
@@ -156,7 +156,8 @@ def _run_queue(
     timeout: float,
     as_json: bool,
 ) -> None:
-    box = open_state().get(name)
+    state = open_state()
+    box = state.get(name)
     resp = asyncio.run(queues.start_queue(box, plan, policy))
     q = resp.queue
     if not as_json:
@@ -167,7 +168,8 @@ def _run_queue(
         if not wait:
             render.info(f"follow it with: boxwarden queue {name} {q.name} --wait")
     if wait:
-        q = queueview.follow(box, q.name, timeout, quiet=as_json)
+        stand_aside()  # a follower may run for days: never from a local box's workdir (a stray there)
+        q = queueview.follow(box, q.name, timeout, quiet=as_json, state=state)
     if as_json:
         render.json_out({**queues.to_json(name, q), "started": resp.started})
     elif wait:

@@ -32,26 +32,77 @@ OWNED_OPTIONS = frozenset(
     }
 )
 """Options boxwarden sets itself: a user's value for one would break the link or make it hang."""
-RUNS_CODE = {
-    "proxycommand": "runs a command on this machine to reach the box",
-    "localcommand": "runs a command on this machine once connected",
+_RUNS = "runs a command on this machine"
+_LOADS = "loads a library into ssh on this machine"
+_HOST_KEY = "weakens the check of the box's host key (a machine in the middle could pose as the box)"
+_PORTS = "opens ports or sockets between this machine and the box"
+PLAN_REFUSED = {
+    # Runs or loads code here.
+    "proxycommand": f"{_RUNS} to reach the box",
+    "proxyusefdpass": "takes the connection from a ProxyCommand, which runs a command on this machine",
+    "localcommand": f"{_RUNS} once connected",
     "permitlocalcommand": "lets LocalCommand run a command on this machine",
     "remotecommand": "runs its own command on the box",
-    "knownhostscommand": "runs a command on this machine to list host keys",
-    "pkcs11provider": "loads a library into ssh on this machine",
-    "securitykeyprovider": "loads a library into ssh on this machine",
+    "knownhostscommand": f"{_RUNS} to list host keys",
+    "pkcs11provider": _LOADS,
+    "securitykeyprovider": _LOADS,
     "xauthlocation": "names a program ssh runs on this machine",
     "match": "`Match exec` runs a command on this machine",
     "include": "reads another config file, which may run commands",
+    # Sends data or secrets of this machine, or lets the box act as you.
+    "sendenv": "sends variables of this machine's environment to the box (cloud keys, tokens)",
+    "setenv": "sets variables in the box's login environment",
     "forwardagent": "hands your SSH agent to the box, which can then log in as you elsewhere",
+    "identityagent": "makes ssh use another agent than yours",
+    "addkeystoagent": "adds keys to your SSH agent",
+    "identityfile": "chooses which of this machine's keys ssh reads and offers",
+    "certificatefile": "chooses which of this machine's certificates ssh reads and offers",
+    "hostbasedauthentication": "logs in with this machine's own host key",
+    "enablesshkeysign": "lets ssh read this machine's host key to log in with it",
     "forwardx11": "hands your X display (its screen and keystrokes) to the box",
+    "forwardx11trusted": "hands your X display to the box with no restriction",
+    # Weakens the check of the box's host key.
+    "stricthostkeychecking": _HOST_KEY,
+    "userknownhostsfile": _HOST_KEY,
+    "globalknownhostsfile": _HOST_KEY,
+    "hostkeyalias": _HOST_KEY,
+    "hostkeyalgorithms": _HOST_KEY,
+    "checkhostip": _HOST_KEY,
+    "verifyhostkeydns": _HOST_KEY + " (it trusts DNS)",
+    "updatehostkeys": "rewrites your known_hosts file with keys the box offers",
+    "nohostauthenticationforlocalhost": _HOST_KEY,
+    # Opens ports.
+    "localforward": _PORTS,
+    "dynamicforward": _PORTS,
     "remoteforward": "lets the box reach ports or sockets on this machine's side",
+    "gatewayports": "lets other machines reach the ports ssh forwards",
+    "tunnel": "opens a network device between this machine and the box",
+    "tunneldevice": "opens a network device between this machine and the box",
 }
-"""ssh_config options (man ssh_config) that run or load code, or let the box act as you: a plan
-file, which may come from someone else, gives them only with `fanout up --trust-plan`. What the
-user types (`up --ssh-option`) is theirs. ProxyJump runs only ssh itself: not listed."""
-# The values that turn an option of RUNS_CODE off.
-_OFF = {"permitlocalcommand": "no", "forwardagent": "no", "forwardx11": "no"}
+"""ssh_config options (man ssh_config) a plan file, which may come from someone else, gives only with
+`fanout up --trust-plan`: those that run or load code on this machine, send its data or secrets,
+let the box act as you, weaken the check of the box's host key, or open ports. What the user types
+(`up --ssh-option`) is theirs. ProxyJump runs only ssh itself (checking the jump host's key as
+configured): not listed."""
+# The values that make an option of PLAN_REFUSED harmless (the default of each is "none").
+_HARMLESS = {
+    "permitlocalcommand": ("no",),
+    "forwardagent": ("no",),
+    "identityagent": ("none", "ssh_auth_sock"),
+    "addkeystoagent": ("no",),
+    "hostbasedauthentication": ("no",),
+    "enablesshkeysign": ("no",),
+    "forwardx11": ("no",),
+    "forwardx11trusted": ("no",),
+    "stricthostkeychecking": ("yes",),
+    "checkhostip": ("yes",),
+    "verifyhostkeydns": ("no",),
+    "updatehostkeys": ("no",),
+    "nohostauthenticationforlocalhost": ("no",),
+    "gatewayports": ("no",),
+    "tunnel": ("no",),
+    "proxyusefdpass": ("no",),
+}
 KEEPALIVE = ("ServerAliveInterval=15", "ServerAliveCountMax=4")
 CONNECT_TIMEOUT = "ConnectTimeout=15"
 CONTROL_PERSIST = "10m"
@@ -78,30 +129,25 @@ def check_option(text: str) -> tuple[str, str]:
     return key, value
 
 
-def runs_code(key: str, value: str) -> str:
+def plan_refuses(key: str, value: str) -> str:
     """What option `key` set to `value` would make ssh do that a plan may not ask unasked ("" if
-    nothing: a harmless option, or one set to its off value)."""
+    nothing: a harmless option, or one set to a harmless value)."""
     k = key.lower()
-    if k not in RUNS_CODE or value.strip().lower() == _OFF.get(k, "none"):
+    if k not in PLAN_REFUSED or value.strip().lower() in _HARMLESS.get(k, ("none",)):
         return ""
-    return RUNS_CODE[k]
+    return PLAN_REFUSED[k]
 
 
-def check_plan_option(text: str, where: str, *, trusted: bool) -> str:
-    """A plan's ssh option, checked as `check_option` does, and refused when it runs code (see
-    RUNS_CODE) unless the user trusts the plan (`fanout up --trust-plan`). `where`: the file and
-    line, for the message. The option as KEY=VALUE."""
+def check_plan_option(text: str, where: str) -> tuple[str, str]:
+    """A plan's ssh option, checked as `check_option` does (`where`: the file and line, for the
+    message): the option as KEY=VALUE, and what it asks that a plan may not unasked ("": nothing;
+    else "KEY why", taken only with `fanout up --trust-plan`: see PLAN_REFUSED)."""
     try:
         key, value = check_option(text)
     except UsageError as e:
         raise UsageError(f"{where}: field ssh_options: {e}") from None
-    why = runs_code(key, value)
-    if why and not trusted:
-        raise UsageError(
-            f"{where}: field ssh_options: {key} {why}; a plan file may not ask for that. Read the plan, "
-            "and if you trust what it runs, pass --trust-plan to `fanout up`"
-        )
-    return f"{key}={value}"
+    why = plan_refuses(key, value)
+    return f"{key}={value}", f"{key} {why}" if why else ""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ refused before anything starts, each with the line and the field."""
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -111,13 +112,24 @@ def test_other_mistakes_say_what_to_do() -> None:
     assert "unknown" in refused(GOOD.replace("roster = [", 'colour = "blue"\nroster = [')).lower()
 
 
-def test_a_profile_file_is_found_next_to_the_plan(tmp_path: Path) -> None:
-    (tmp_path / "mine.toml").write_text("# a profile\n")
-    plan = parse(GOOD.replace('profile = "runpod"', 'profile_file = "mine.toml"'), tmp_path)
-    assert plan.boxes[1].profile_file == str(tmp_path / "mine.toml")  # type: ignore[attr-defined]
+def test_a_profile_file_next_to_the_plan_is_taken_if_shipped_or_trusted(tmp_path: Path) -> None:
+    shipped = resources.files("boxwarden_profiles").joinpath("runpod.toml").read_text(encoding="utf-8")
+    (tmp_path / "runpod.toml").write_text(shipped)  # a copy of a shipped profile is that profile
+    plan = parse(GOOD.replace('profile = "runpod"', 'profile_file = "runpod.toml"'), tmp_path)
+    assert plan.boxes[1].profile_file == str(tmp_path / "runpod.toml")  # type: ignore[attr-defined]
     assert "is not a file" in refused(
         GOOD.replace('profile = "runpod"', 'profile_file = "nope.toml"'), tmp_path
     )
+    # One of its own: its commands would run here at `down`, and its facts decide what is released.
+    mine = tmp_path / "mine.toml"
+    mine.write_text(shipped.replace('name = "runpod"', 'name = "mine"'))
+    text = GOOD.replace('profile = "runpod"', 'profile_file = "mine.toml"')
+    msg = refused(text, tmp_path)
+    assert msg.startswith(f"plan.toml:13: [[box]] 2 ('gpu2'): field profile_file: '{mine}' is no shipped")
+    assert "its meter stop and poll would run on this machine at `down`" in msg
+    assert "--trust-plan" in msg and "boxwarden profiles show --profile-file" in msg
+    trusted = parse_plan(text, file="plan.toml", default_name="plan", base=tmp_path, trusted=True)
+    assert trusted.boxes[1].profile_file == str(mine)
 
 
 def test_a_plan_whose_ssh_option_runs_a_command_is_refused_unless_trusted() -> None:
@@ -126,6 +138,11 @@ def test_a_plan_whose_ssh_option_runs_a_command_is_refused_unless_trusted() -> N
     msg = refused(text)
     assert msg.startswith("plan.toml:17: [[box]] 2 ('gpu2'): field ssh_options: ProxyCommand runs a command")
     assert "--trust-plan" in msg
+    # Every such ask is listed at once, each where it is written.
+    more = text.replace('name = "gpu1"\n', 'name = "gpu1"\nssh_options = ["SendEnv=AWS_*"]\n')
+    lines = refused(more).splitlines()
+    assert lines[0].startswith("plan.toml:9: [[box]] 1 ('gpu1'): field ssh_options: SendEnv sends variables")
+    assert lines[1].startswith("plan.toml:18: [[box]] 2 ('gpu2'): field ssh_options: ProxyCommand")
     plan = parse_plan(
         text, file="plan.toml", default_name="plan", base=Path("/"), trusted=True, known_profiles=PROFILES
     )

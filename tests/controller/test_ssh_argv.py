@@ -130,29 +130,55 @@ def test_no_config_file_means_the_users_own() -> None:
         "ForwardAgent=yes",
         "ForwardX11=yes",
         "RemoteForward=8022 localhost:22",
+        "SendEnv=AWS_*",
+        "SetEnv=LD_PRELOAD=/tmp/x.so",
+        "StrictHostKeyChecking=no",
+        "StrictHostKeyChecking=accept-new",
+        "UserKnownHostsFile=/dev/null",
+        "GlobalKnownHostsFile=/tmp/hosts",
+        "HostKeyAlias=trusted-host",
+        "CheckHostIP=no",
+        "VerifyHostKeyDNS=yes",
+        "UpdateHostKeys=yes",
+        "LocalForward=8080 localhost:80",
+        "DynamicForward=1080",
+        "GatewayPorts=yes",
+        "ProxyUseFdpass=yes",
+        "IdentityAgent=/tmp/agent.sock",
+        "IdentityFile=~/.ssh/id_work",
+        "CertificateFile=~/.ssh/id_work-cert.pub",
+        "Tunnel=yes",
     ],
 )
-def test_a_plan_option_that_runs_code_is_refused_unless_the_plan_is_trusted(option: str) -> None:
+def test_a_plan_option_that_runs_code_sends_secrets_or_opens_ports_is_a_plan_s_ask(option: str) -> None:
     key = option.partition("=")[0]
-    with pytest.raises(UsageError) as e:
-        a.check_plan_option(option, "plan.toml:9: [[box]] 1 ('gpu1')", trusted=False)
-    msg = str(e.value)
-    assert msg.startswith(f"plan.toml:9: [[box]] 1 ('gpu1'): field ssh_options: {key} ")
-    assert "--trust-plan" in msg
-    assert a.check_plan_option(option, "plan.toml:9", trusted=True) == option
+    checked, why = a.check_plan_option(option, "plan.toml:9: [[box]] 1 ('gpu1')")
+    assert checked == option and why.startswith(f"{key} ") and len(why) > len(key) + 5
 
 
 @pytest.mark.parametrize(
     "option",
-    ["Port=2222", "ProxyJump=b", "PermitLocalCommand=no", "ForwardAgent=no", "ProxyCommand=none", "User=u"],
+    [
+        "Port=2222",
+        "ProxyJump=b",
+        "PermitLocalCommand=no",
+        "ForwardAgent=no",
+        "ProxyCommand=none",
+        "User=u",
+        "StrictHostKeyChecking=yes",
+        "CheckHostIP=yes",
+        "UpdateHostKeys=no",
+        "IdentityAgent=none",
+        "Compression=yes",
+    ],
 )
-def test_a_plan_option_that_runs_nothing_needs_no_trust(option: str) -> None:
-    assert a.check_plan_option(option, "plan.toml:9", trusted=False) == option
+def test_a_plan_option_that_asks_nothing_needs_no_trust(option: str) -> None:
+    assert a.check_plan_option(option, "plan.toml:9") == (option, "")
 
 
 def test_a_bad_plan_option_says_where_it_is() -> None:
     with pytest.raises(UsageError, match=r"^plan.toml:9: field ssh_options: .*sets BatchMode itself"):
-        a.check_plan_option("BatchMode=no", "plan.toml:9", trusted=True)
+        a.check_plan_option("BatchMode=no", "plan.toml:9")
 
 
 def test_the_command_line_takes_what_the_user_typed() -> None:

@@ -1,0 +1,77 @@
+"""A teardown whose release finished on the box but whose answer never came back (a link cut during
+a long release, a `down` killed then): the box claims nothing any more, and a later `down` (or a
+follower armed again) must continue it through the gate, not refuse it as a run that produced
+nothing.
+
+The gate takes "released by this teardown" only when each of these holds, and refuses as before
+(EMPTY, MANIFEST_STALE) otherwise:
+- the controller's record shows a teardown of the box under way (`tearing-down`: its release step
+  is recorded before the release is asked, and only once a gate allowed it);
+- the box answers now, claims nothing and has nothing waiting to be claimed (the gate's other
+  checks, jobs and strays, still hold);
+- the box's own journal says a release deleted some of its claims (ARTIFACT_RELEASED);
+- the pulled tree holds, among its files and its retired files (a pull since keeps them, listed as
+  retired), those the journal says were released, and they are exactly the claims its verification
+  marker was bound to: the claims the gate verified before it allowed the release. The gate hashes
+  every byte of the tree again, as always.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+from controller.client import SidecarClient
+from controller.digest import manifest_digest
+from controller.errors import ControllerError
+from controller.manifest import MANIFEST_NAME, ManifestFile, read_manifest
+from controller.state import Box
+
+CHECK = "released by this teardown"
+
+
+@dataclass(frozen=True)
+class Released:
+    """What a release of the box deleted (its journal) and what the pulled tree holds of it."""
+
+    paths: frozenset[str]  # every path the box's journal says a release deleted
+    held: tuple[ManifestFile, ...]  # the tree's files and retired files at those paths
+
+    @property
+    def digest(self) -> str:
+        """The manifest digest of the released claims as the tree holds them ("" if it holds none)."""
+        return manifest_digest(self.held) if self.held else ""
+
+    def proves(self, marker_digest: str) -> bool:
+        """The tree holds exactly the claims its marker was verified against, each one released."""
+        return bool(self.held) and self.digest == marker_digest
+
+
+async def gather(client: SidecarClient, box: Box, pulled_dir: Path | None) -> Released | None:
+    """What a release of `box` deleted and what the tree holds of it, for a box whose teardown is
+    under way; None where that cannot be said (no tree, no journal, no manifest): the gate then
+    judges as for any run."""
+    if box.status != "tearing-down" or pulled_dir is None:
+        return None
+    try:
+        manifest = read_manifest(pulled_dir / MANIFEST_NAME)
+        paths = {
+            ev.path
+            async for ev in client.watch_events(0, follow=False)
+            if ev.kind == pb.ARTIFACT_RELEASED and ev.path
+        }
+    except ControllerError:
+        return None
+    held = tuple(f for f in (*manifest.files, *manifest.retired) if f.path in paths)
+    return Released(frozenset(paths), held)
+
+
+def detail(r: Released) -> str:
+    """The evidence row: what the release deleted, and that the tree holds it."""
+    return (
+        f"the box claims nothing now: {len(r.held)} claims were deleted on it by the release this "
+        f"teardown asked for (its journal), each held by the pulled tree as verified before "
+        f"({r.digest[:16]}…)"
+    )
