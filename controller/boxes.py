@@ -7,6 +7,7 @@ plain rows the renderer shows.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import os
@@ -34,6 +35,7 @@ from controller import (
     templates,
 )
 from controller import durable as durable_url
+from controller.client import SidecarClient
 from controller.connector import Connector, LocalConnector, launch
 from controller.errors import (
     ControllerError,
@@ -917,6 +919,8 @@ async def judge(
             try:
                 async with reach.client(box, conn) as c:
                     ev, early = await gate.gather(c, box, pulled, keep=keep)
+                    if state is not None and not early:
+                        await _learn_cells(state, box, c)
             except SidecarUnreachable as e:  # the link itself could not be built
                 ev, early = await gate.gather(None, box, pulled, unreachable=str(e))
         if box_gone:
@@ -925,6 +929,16 @@ async def judge(
             early = [gone.with_hint(r, box) for r in early]
     ev.accepted_server_checksum = accept_server_checksum
     return gate.judge(ev, early, confirm=confirm, dry_run=dry_run)
+
+
+async def _learn_cells(state: State, box: Box, c: SidecarClient) -> None:
+    """What the box's queues say of its cells, kept here before a teardown can take the box away:
+    a later `fanout up` knows which cells finished on it (controller.cellfacts). Best effort: a
+    box whose queues cannot be read now is judged all the same."""
+    from controller import cellfacts  # (it reads queue records, which need this module)
+
+    with contextlib.suppress(ControllerError):
+        cellfacts.learn(state, box, await c.list_queues(brief=True))
 
 
 async def down(

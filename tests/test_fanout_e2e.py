@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.cellscript import cell_argv, runs
-from tests.conftest import Bw
+from tests.conftest import Bw, wait_until
 from tests.controller.test_meter_stop import fake_profile
 
 
@@ -213,3 +213,25 @@ def test_two_boxes_that_would_watch_one_directory_are_refused(bw: Bw, tmp_path: 
     r = bw("fanout", "up", str(plan))
     assert r.returncode == 2 and "boxes f1 and f2 both watch" in r.stderr
     assert not bw.sidecar_pids()
+
+
+def test_what_a_box_finished_is_known_after_its_down_even_if_no_one_read_its_queue(
+    bw: Bw, tmp_path: Path, marks: Path
+) -> None:
+    """The gate reads the box's queues before its teardown: a box torn down without `queue` or
+    `watch` ever reading them still has its finished cells known to the next `fanout up`."""
+    plan = write_plan(tmp_path / "sweep.toml", marks, CELLS, "", "--safetensors")
+    bw.ok("fanout", "up", str(plan))
+
+    def f2_done() -> bool:
+        (row,) = bw.json("status", "f2")["boxes"]  # (status reads no queue)
+        return row["jobs_total"] == 1 and row["jobs_running"] == 0 and row["claims"] == row["durable"] > 0
+
+    wait_until(f2_done, timeout=90, what="f2's cell done and durable")
+    pulled = tmp_path / "pulled-f2"
+    bw.ok("pull", "f2", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    bw.ok("down", "f2", "--confirm", "f2")
+    r = bw("fanout", "up", str(plan), "--json")
+    assert r.returncode == 0 and "its cells b finished" in r.stderr, r.stderr
+    assert len(runs(marks, "b")) == 1
