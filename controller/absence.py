@@ -5,11 +5,17 @@ not answer proves nothing by itself: on a host that still answers it is "sidecar
 usual pull and `down`. A provider that still lists the instance outweighs a host out of reach (a
 cut link, a stopped instance): it is gone once the provider says so.
 
+A profile that has a poll command must answer it: a poll that could not run (or was killed) proves
+nothing either way, and the host is not asked instead (this machine's own network may be what is
+down).
+
 The host is asked over a connection of its own (never a ControlMaster that may outlive the box).
-Only a connection that cannot be made at all counts as unreachable (refused, timed out, no route,
-no such name: UNREACHABLE below); anything else means something answered at the box's address: a
-login that runs, a refused login, an sshd that drops the connection before the login (too many
-starting up, a box under load), another host key (another machine there, the box maybe elsewhere).
+Only ssh's own word that it could not connect to the box's address at all counts as unreachable:
+`connect to host <its HostName> port <its Port>: refused | timed out | no route | unreachable`, or
+no such name; anything else means something answered there: a login that runs, a refused login, an
+sshd that drops the connection or never sends its banner (a box under load), another host key
+(another machine there, the box maybe elsewhere). A box reached through a jump host or a proxy
+command is never proven gone this way: a hop that cannot be reached says nothing of the box.
 """
 
 from __future__ import annotations
@@ -23,17 +29,9 @@ from controller.ssh import argv as sshargv
 from controller.state import Box
 
 HOST_TIMEOUT_S = 40.0  # past ssh's own ConnectTimeout: a login that hangs after connecting answered
-UNREACHABLE = (
-    "Connection refused",
-    "Connection timed out",
-    "Operation timed out",
-    "No route to host",
-    "Network is unreachable",
-    "Could not resolve hostname",
-    "Name or service not known",
-    "nodename nor servname",
-)
-"""What ssh says when it could not connect at all; whatever else it says, something answered."""
+CONNECT_FAILED = ("Connection refused", "Connection timed out", "Operation timed out", "No route to host",
+                  "Network is unreachable")  # fmt: skip
+"""What ssh says after `connect to host H port P: ` when it could not connect to that address at all."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +56,12 @@ async def prove(box: Box, profile: Profile) -> Absence:
     word, said = await meterstop.provider_says(profile, box)
     if word == meterstop.GONE:
         return Absence(True, f"the provider says it is gone ({said})")
+    if word == meterstop.UNANSWERED:
+        return Absence(
+            False,
+            f"the provider could not be asked ({said}): nothing says the box is gone. Ask again once it "
+            "answers; if the box is only out of reach, `boxwarden up` it once it answers",
+        )
     if word == meterstop.LISTED:
         return Absence(
             False,
@@ -77,29 +81,59 @@ async def prove(box: Box, profile: Profile) -> Absence:
 async def host_answers(box: Box) -> tuple[bool, str]:
     """Does the box's host answer a login of its own (no ControlMaster)? (answers, what ssh said)."""
     dest = sshargv.Destination(box.host, box.ssh_options, box.ssh_config)
+    where = await _resolved(dest)
+    if where.get("proxyjump", "none") != "none" or where.get("proxycommand", "none") != "none":
+        hop = where.get("proxyjump") or where.get("proxycommand")
+        return True, f"it is reached through {hop}: a hop out of reach says nothing of the box"
     argv = [*dest.base(), "-o", "ControlMaster=no", "-o", "ControlPath=none", "-T", "--", box.host, "true"]
+    code, said = await _ssh(argv)
+    if code is None:
+        return True, f"a login did not finish within {HOST_TIMEOUT_S:.0f}s: something answered the connection"
+    if code == 0:
+        return True, "a login ran"
+    host, port = where.get("hostname", box.host), where.get("port", "22")
+    failed = any(f"connect to host {host} port {port}: {f}" in said for f in CONNECT_FAILED)
+    if code == 255 and (failed or f"Could not resolve hostname {host}:" in said):
+        return False, said
+    return True, said or f"ssh exit {code}"
+
+
+async def _resolved(dest: sshargv.Destination) -> dict[str, str]:
+    """What ssh makes of the destination (`ssh -G`): its HostName, Port, ProxyJump, ProxyCommand."""
+    argv = [*dest.base(), "-G", "--", dest.dest]
+    code, out = await _ssh(argv, stdout=True)
+    if code != 0:
+        return {}
+    found: dict[str, str] = {}
+    for line in out.splitlines():
+        key, _, value = line.partition(" ")
+        if key in ("hostname", "port", "proxyjump", "proxycommand"):
+            found[key] = value.strip()
+    return found
+
+
+async def _ssh(argv: list[str], *, stdout: bool = False) -> tuple[int | None, str]:
+    """Run ssh to its end: (exit code, what it said on stderr, or stdout with `stdout`); None when it
+    outlived HOST_TIMEOUT_S (killed)."""
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE if stdout else asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
         start_new_session=True,
         cwd="/",
     )
     try:
-        _, err = await asyncio.wait_for(proc.communicate(), HOST_TIMEOUT_S)
+        out, err = await asyncio.wait_for(proc.communicate(), HOST_TIMEOUT_S)
     except TimeoutError:
         proc.kill()
         await proc.wait()
-        return True, f"a login did not finish within {HOST_TIMEOUT_S:.0f}s: something answered the connection"
+        return None, ""
     except BaseException:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
         raise
-    said = " ".join(err.decode(errors="replace").split())[-300:]
-    if proc.returncode == 0:
-        return True, "a login ran"
-    if proc.returncode == 255 and any(u.lower() in said.lower() for u in UNREACHABLE):
-        return False, said
-    return True, said or f"ssh exit {proc.returncode}"
+    if stdout:
+        return proc.returncode, out.decode(errors="replace")
+    return proc.returncode, " ".join(err.decode(errors="replace").split())[-300:]

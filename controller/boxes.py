@@ -918,7 +918,8 @@ async def judge(
         async with reach.link(box) as conn:
             try:
                 async with reach.client(box, conn) as c:
-                    ev, early = await gate.gather(c, box, pulled, keep=keep)
+                    asked = teardown.asked_release(state, box) if state is not None else None
+                    ev, early = await gate.gather(c, box, pulled, keep=keep, release=asked)
                     if state is not None and not early:
                         await _learn_cells(state, box, c)
             except SidecarUnreachable as e:  # the link itself could not be built

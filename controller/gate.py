@@ -141,9 +141,11 @@ async def gather(
     *,
     unreachable: str = "",
     keep: Keeper | None = None,
+    release: released.ReleaseAsked | None = None,
 ) -> tuple[Evidence, list[Reason]]:
     """The box's side of the evidence, asked of its sidecar now, and the pulled tree re-verified.
-    `keep` is handed each complete claims list received (the controller keeps the last one)."""
+    `keep` is handed each complete claims list received (the controller keeps the last one).
+    `release`: the one the box's unfinished teardown asked for, if any (controller.released)."""
     ev = Evidence(box=box.name, pulled_dir=str(pulled_dir or ""))
     reasons: list[Reason] = []
     hello: pb.HelloResponse | None = None
@@ -164,7 +166,7 @@ async def gather(
             ev.strays = list(jobs.strays)
     await gather_tree(ev, reasons, box, pulled_dir, hello)
     if client is not None and hello is not None and not ev.claims and not ev.pending:
-        ev.released = await released.gather(client, box, pulled_dir)
+        ev.released = await released.gather(client, box, pulled_dir, release)
     return ev, reasons
 
 

@@ -128,20 +128,20 @@ def _shows_gone(profile: Profile, p: Ran) -> bool:
     return poll.gone_stdout is not None and poll.gone_stdout in p.stdout
 
 
-GONE, LISTED, UNKNOWN = "gone", "listed", "unknown"
+GONE, LISTED, UNANSWERED, UNKNOWN = "gone", "listed", "unanswered", "unknown"
 
 
 async def provider_says(profile: Profile, box: Box) -> tuple[str, str]:
-    """One poll of the provider, sending nothing: (GONE, LISTED or UNKNOWN, what it said). A
-    profile without a poll command (no meter, or a console only the user sees) and a poll that
-    could not run say nothing: UNKNOWN."""
+    """One poll of the provider, sending nothing: (GONE, LISTED, UNANSWERED or UNKNOWN, what it
+    said). A poll that could not run (or was killed) is UNANSWERED; a profile without a poll command
+    (no meter, or a console only the user sees) can ask no provider: UNKNOWN."""
     cmds = plan(profile, box)
     if cmds is None:
         mode = profile.meter_stop.mode
         return UNKNOWN, f"the profile {profile.name} has no command that asks the provider ({mode})"
     p = await run_argv(cmds.poll, timeout_s=60.0)
     if not p.ran:
-        return UNKNOWN, f"`{' '.join(cmds.poll)}` did not run: {p.stderr.strip()}"
+        return UNANSWERED, f"`{' '.join(cmds.poll)}` did not run: {p.stderr.strip()}"
     said = (p.stdout.strip() or p.stderr.strip())[-300:]
     return (GONE if _shows_gone(profile, p) else LISTED), f"`{' '.join(cmds.poll)}` exit {p.code}: {said}"
 

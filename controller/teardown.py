@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller import meterstop
+from controller import meterstop, released
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.connector import Connector, launch
@@ -44,6 +44,11 @@ STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP)
 # (the next stop polls first). The other steps were taken on a sidecar that is not the one watching.
 KEPT_BY_UP = (METER_STOP,)
 UNFINISHED_CODE = "TEARDOWN_UNFINISHED"
+
+
+def asked_release(state: State, box: Box) -> released.ReleaseAsked | None:
+    """The release the box's unfinished teardown asked for, if it asked one (controller.released)."""
+    return released.release_asked(state.teardown_steps(box.name).get(RELEASE))
 
 
 def when(at_ns: int) -> str:
@@ -80,7 +85,10 @@ class Unfinished:
         for name in STEP_ORDER:
             s = self.steps.get(name)
             if s is not None:
-                detail = f" ({s.detail})" if s.detail and name == RELEASE else ""
+                shown = released.RELEASE_OF.sub(
+                    lambda m: f"release of manifest {m.group(1)[:16]}…: ", s.detail
+                )
+                detail = f" ({shown})" if s.detail and name == RELEASE else ""
                 parts.append(f"{said[name]} {when(s.at_ns)}{detail}")
         parts.append("not proven" if self.meter_stop_sent else "meter stop not sent")
         return ", ".join(parts)
@@ -243,16 +251,17 @@ async def teardown(
         meterstop.plan(profile, box)  # every placeholder fillable, before anything is released
         hello = await client.hello()
         before = state.teardown_steps(box.name)
-        state.step(tearing, RELEASE, "no answer yet")
-        released = await client.release(
+        state.step(tearing, RELEASE, released.release_detail(verdict.box_manifest_digest, "no answer yet"))
+        answer = await client.release(
             verdict.box_manifest_digest, accept_server_checksum=verdict.accepted_server_checksum
         )
-        result.deleted = list(released.deleted)
-        result.kept = list(released.kept)
-        state.step_detail(box.name, RELEASE, f"{len(result.deleted)} deleted, {len(result.kept)} kept")
-        if released.refused:
+        result.deleted = list(answer.deleted)
+        result.kept = list(answer.kept)
+        did = f"{len(result.deleted)} deleted, {len(result.kept)} kept"
+        state.step_detail(box.name, RELEASE, released.release_detail(verdict.box_manifest_digest, did))
+        if answer.refused:
             state.set_teardown(box, before)  # the sidecar keeps watching: the box is as it was
-            reasons = [Reason(r.code, r.path, r.detail) for r in released.refused]
+            reasons = [Reason(r.code, r.path, r.detail) for r in answer.refused]
             what = (
                 "refused, nothing was deleted"
                 if not result.deleted

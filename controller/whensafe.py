@@ -127,7 +127,7 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
         return [f"the pull ({e})"]
     if rep.unavailable:
         return [f"the pull: {', '.join(sorted(rep.unavailable))} unavailable"]
-    if await _released_here(box, pull_to):
+    if await _released_here(state, box, pull_to):
         return []  # verified before this teardown's release: the gate hashes it again as it stands
     checked = await asyncio.to_thread(
         verify_tree,
@@ -162,7 +162,7 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
     return why
 
 
-async def _released_here(box: Box, pull_to: Path) -> bool:
+async def _released_here(state: State, box: Box, pull_to: Path) -> bool:
     """This teardown's release deleted the box's claims (its answer was lost) and the tree holds
     them as its marker verified them (controller.released). A verify now would find a box that
     claims nothing, call the run empty and remove that marker: the gate judges the tree as it is."""
@@ -175,7 +175,7 @@ async def _released_here(box: Box, pull_to: Path) -> bool:
             listing = await c.list_artifacts()
             if listing.total_claims or listing.total_pending:
                 return False
-            freed = await released.gather(c, box, pull_to)
+            freed = await released.gather(c, box, pull_to, teardown.asked_release(state, box))
     except ControllerError:
         return False
     return marker is not None and freed is not None and freed.proves(str(marker.get("manifest_digest", "")))

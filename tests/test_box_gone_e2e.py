@@ -325,3 +325,61 @@ def test_a_box_its_provider_still_lists_is_not_gone_however_out_of_reach(
     r = bw("down", "g2", "--dry-run", "--box-gone", "--json", timeout=120)
     assert "SIDECAR_DEAD_HOST_UP" not in codes(r), r.stdout
     assert json.loads(r.stdout)["box_gone"]["absence"].startswith("the provider says it is gone")
+
+
+@contextlib.contextmanager
+def silent_sshd() -> Iterator[int]:
+    """A port whose server accepts connections and never says a word (an sshd that cannot fork, a
+    box thrashing): something is there."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        srv.close()
+
+
+def test_what_only_seems_out_of_reach_proves_no_box_gone(remote: Remote) -> None:  # noqa: F811
+    """Second review of issue 25: an sshd that never sent its banner, and a jump host out of reach
+    (the box itself answering), were taken for a box no link reaches."""
+    bw = remote.bw
+    box = remote.boxes("g3")
+    remote.profile = no_meter(remote)
+    first = remote.up(box, "--ssh-option", "ConnectTimeout=3", seeded=True)
+    bw.artifacts("g3")  # the claims list kept
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="g3's sidecar gone")
+    with silent_sshd() as port:
+        point_at(box, port)
+        r = bw("down", "g3", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    assert "banner" in r.stdout
+    point_at(box, free_port())
+    text = box.config.read_text()
+    at = text.index("Host g3\n") + len("Host g3\n")
+    box.config.write_text(text[:at] + "    ProxyJump nowhere.invalid\n" + text[at:])
+    r = bw("down", "g3", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    assert "reached through nowhere.invalid" in r.stdout
+
+
+def test_a_provider_that_cannot_be_asked_proves_nothing(remote: Remote) -> None:  # noqa: F811
+    """Second review of issue 25: a poll that could not run was taken for a profile with no
+    provider to ask, and the host out of reach (maybe this machine's own network) decided."""
+    bw = remote.bw
+    text = remote.profile.read_text()
+    poll = text.index("argv = [", text.index("[meter_stop.poll]"))
+    end = text.index("]\n", poll) + 2
+    remote.profile.write_text(
+        text[:poll] + 'argv = ["/nonexistent/provider-cli", "show", "{instance_id}"]\n' + text[end:]
+    )
+    box = remote.boxes("g4")
+    first = remote.up(box, seeded=True)
+    bw.artifacts("g4")
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="g4's sidecar gone")
+    point_at(box, free_port())
+    r = bw("down", "g4", "--dry-run", "--box-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    assert "the provider could not be asked" in r.stdout
