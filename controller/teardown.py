@@ -358,8 +358,8 @@ async def meter_step(
     send: bool,
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
-    `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box
-    that is up runs on the same instance, nothing is sent (that box's own `down` stops it)."""
+    `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box's
+    sidecar may still run on the same instance, nothing is sent (that box's own `down` stops it)."""
     sharing = sharing_instance(state, box)
     if sharing:
         ms = profile.meter_stop
@@ -367,7 +367,7 @@ async def meter_step(
             mode=ms.mode,
             verb=ms.verb,
             shared_with=sharing,
-            detail=f"not sent: {', '.join(sharing)} still up on instance {box.instance_id}, whose meter "
+            detail=f"not sent: {', '.join(sharing)} still on instance {box.instance_id}, whose meter "
             "this is; the last of them to go down stops it",
         )
         return result.meter
@@ -391,18 +391,21 @@ async def meter_step(
 
 
 def sharing_instance(state: State, box: Box) -> list[str]:
-    """The other boxes that are up on `box`'s instance (same profile and instance id): stopping its
-    meter would stop theirs."""
+    """The other boxes whose sidecar may still run on `box`'s instance (the same instance id under
+    the same meter stop: the same profile, or a copy of its text): every box not down, but one whose
+    teardown saw its sidecar gone. Stopping the instance's meter would stop theirs."""
     if not box.instance_id:
         return []
-    return sorted(
-        b.name
-        for b in state.boxes()
-        if b.name != box.name
-        and b.status == "up"
-        and b.instance_id == box.instance_id
-        and (b.profile, b.profile_file) == (box.profile, box.profile_file)
-    )
+    out = []
+    for b in state.boxes():
+        if b.name == box.name or b.status == "down" or b.instance_id != box.instance_id:
+            continue
+        same_stop = (b.profile, b.profile_file) == (box.profile, box.profile_file) or (
+            bool(b.profile_digest) and b.profile_digest == box.profile_digest
+        )
+        if same_stop and SIDECAR_GONE not in state.teardown_steps(b.name):
+            out.append(b.name)
+    return sorted(out)
 
 
 async def forget_credentials(box: Box) -> str:

@@ -294,7 +294,7 @@ def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
     doc = bw.json("down", "boxc", "--confirm", "boxc")
     meter = doc["teardown"]["meter"]
     assert meter["shared_with"] == ["boxd"] and meter["sent"] is False and deletes() == 0
-    assert "boxd still up on instance i-h1" in meter["detail"]
+    assert "boxd still on instance i-h1" in meter["detail"]
     rows = {r["box"]: r for r in bw.json("status")["boxes"]}
     assert rows["boxc"]["status"] == "down" and rows["boxd"]["unreachable"] is False  # boxd runs on
     doc = bw.json("down", "boxd", "--confirm", "boxd")  # the last box on the instance stops its meter

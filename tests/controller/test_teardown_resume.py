@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from controller.state import State
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
 from tests.s3server import S3Server, write_credentials
 
@@ -347,3 +348,28 @@ def test_a_continued_teardown_takes_the_stores_credentials_off_the_box(
     assert doc["teardown"]["gone"] is True
     assert not on_box.exists()
     assert audit(bw)[-1]["credentials"] == "removed from the box"
+
+
+def test_the_meter_waits_for_every_box_whose_sidecar_may_still_run_on_the_instance(
+    bw: Bw, tmp_path: Path
+) -> None:
+    """Second review of issue 25: a box whose `down` was interrupted (its sidecar still up) did not
+    count as sharing the instance, nor did one brought up with a copy of the profile file: the
+    first box's `down` sent the instance's meter stop under them."""
+    copy = tmp_path / "copies" / "slowcloud.toml"
+    copy.parent.mkdir()
+    copy.write_text(profile(tmp_path).read_text())
+    for name, prof in (("ba", profile(tmp_path)), ("bb", profile(tmp_path)), ("bc", copy)):
+        bw.ok("up", name, "--profile-file", str(prof), "--instance-id", INSTANCE, "--workdir", str(bw.cwd),
+              "--watch", f"ckpt-{name}")  # fmt: skip
+    state = State(bw.home)
+    try:  # bb's `down` stopped after it asked its release: its sidecar still runs there
+        state.step(state.get("bb").with_(status="tearing-down"), "release", "no answer yet")
+    finally:
+        state.close()
+    (bw.cwd / "ckpt-ba" / "w.bin").write_bytes(b"weights")
+    bw.wait_durable("ba", 1)
+    bw.ok("pull", "ba", "--to", str(bw.cwd / "pulled-ba"))
+    bw.ok("verify", str(bw.cwd / "pulled-ba"))
+    doc = bw.json("down", "ba", "--confirm", "ba")
+    assert doc["teardown"]["meter"]["shared_with"] == ["bb", "bc"] and stop_calls(tmp_path) == 0
