@@ -22,7 +22,7 @@ import getpass
 import shlex
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,7 +287,8 @@ async def teardown(
         state.step(tearing, SIDECAR_GONE, f"pid {hello.pid}")
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
-        await meter_step(state, box, profile, result, manual_done, retry=retry, send=True)
+        on_box = await sidecars_beside(conn, box)
+        await meter_step(state, box, profile, result, manual_done, retry=retry, send=True, also=on_box)
         if await sidecar_answers(box):
             # Something started a sidecar while the meter stopped (`up` waits for this `down`; a
             # sidecar started by hand does not): the box is watched and may run jobs again.
@@ -356,11 +357,14 @@ async def meter_step(
     *,
     retry: bool,
     send: bool,
+    also: Sequence[str] = (),
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
     `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box's
-    sidecar may still run on the same instance, nothing is sent (that box's own `down` stops it)."""
-    sharing = sharing_instance(state, box)
+    sidecar may still run on the same instance, nothing is sent (that box's own `down` stops it).
+    `also`: boxes whose sidecars the box itself says run there (another controller's too)."""
+    known = sharing_instance(state, box)
+    sharing = [*known, *(f"{n} (its sidecar runs on the box)" for n in also if n not in known)]
     if sharing:
         ms = profile.meter_stop
         result.meter = MeterResult(
@@ -406,6 +410,19 @@ def sharing_instance(state: State, box: Box) -> list[str]:
         if same_stop and SIDECAR_GONE not in state.teardown_steps(b.name):
             out.append(b.name)
     return sorted(out)
+
+
+async def sidecars_beside(conn: Connector, box: Box) -> list[str]:
+    """The boxes whose sidecars run on a remote box's host beside this one's, as the host says (any
+    controller's: this one knows only its own records). [] for a box on this machine (its other
+    boxes are this controller's, in its state) and where the host cannot say."""
+    if not box.host:
+        return []
+    try:
+        answer = await launch(conn, "siblings", {"state_dir": box.state_dir}, timeout_s=30)
+    except ControllerError:
+        return []
+    return [str(name) for name in answer.get("running", [])]
 
 
 async def forget_credentials(box: Box) -> str:

@@ -14,6 +14,7 @@ on stdout between two marker lines (a login shell may print a banner first). Ver
 - `gone`: whether the sidecar of a state dir has ended (its lock is free and its pid is dead).
 - `stop`: SIGTERM (then SIGKILL) the sidecar this state dir's lock names, for an `up` that failed.
 - `config`: the config the box's last sidecar was started with (for `up --adopt` of a dead one).
+- `siblings`: the other boxes of this host's boxes root whose sidecar runs (before a meter stop).
 
 A refusal answers {"refused": "usage" | "error" | "mismatch", "message": ...}: "usage" is a wrong
 argument the user can fix (the CLI exits 2), "error" a box that cannot take the sidecar (exit 1),
@@ -504,6 +505,24 @@ def config(req: Request) -> Request:
     return {"config": _last_config(cfg_path), "running": holder(cfg_path.parent / "sidecar")}
 
 
+def siblings(req: Request) -> Request:
+    """The names of the other boxes beside this state dir (<root>/boxes/<name>/sidecar) whose sidecar
+    holds its lock now: a meter stop of this instance would stop them too."""
+    state_dir = Path(req["state_dir"])
+    boxes_dir = state_dir.parent.parent
+    if boxes_dir.name != "boxes":
+        return {"running": []}
+    running = []
+    for other in sorted(boxes_dir.iterdir()):
+        sidecar_dir = other / "sidecar"
+        if sidecar_dir == state_dir or not sidecar_dir.is_dir():
+            continue
+        pid = holder(sidecar_dir)
+        if pid is not None and (pid == 0 or _pid_alive(pid)):  # (a lock on a shared volume: this host's?)
+            running.append(other.name)
+    return {"running": running}
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -572,6 +591,7 @@ VERBS: dict[str, Callable[[Request], Request]] = {
     "gone": gone,
     "stop": stop,
     "config": config,
+    "siblings": siblings,
 }
 
 

@@ -59,6 +59,14 @@ def bucket_box(rem: Remote, s3: S3Server, name: str, creds: Path) -> tuple[Box, 
     return box, rem.up(box, "--durable", url, "--durable-credentials", str(creds), seeded=True)
 
 
+def second_controller(rem: Remote, tmp_path: Path) -> Bw:
+    """Another controller (its own state home) reaching the same boxes through the same ssh_config."""
+    other = Bw(tmp_path / "home2", rem.bw.cwd)
+    keys = ("BOXWARDEN_SSH_CONFIG", "BOXWARDEN_WHEELHOUSE", "FAKE_PROVIDER_STATE")
+    other.env.update({k: rem.bw.env[k] for k in keys})
+    return other
+
+
 def codes(r: subprocess.CompletedProcess[str]) -> set[str]:
     return {x["code"] for x in json.loads(r.stdout)["reasons"]}
 
@@ -142,8 +150,7 @@ def test_up_refuses_a_sidecar_it_did_not_start_and_adopt_takes_its_run_and_store
 ) -> None:
     box, first = bucket_box(remote, s3, "ad1", write_credentials(tmp_path / "creds"))
     run = remote.bw.record("ad1")["run_id"]
-    other = Bw(tmp_path / "home2", remote.bw.cwd)  # a second controller, its own state
-    other.env.update({k: remote.bw.env[k] for k in ("BOXWARDEN_SSH_CONFIG", "BOXWARDEN_WHEELHOUSE")})
+    other = second_controller(remote, tmp_path)
     try:
         r = up_as(remote, box, "ad1", "--watch", "ckpt", bw=other, code=3)
         assert "this controller did not start" in r.stderr and "--adopt" in r.stderr
@@ -315,8 +322,7 @@ def test_a_dead_sidecar_of_another_controller_is_taken_over_only_with_adopt(
     remote.bw.wait_durable("dd1", 1)
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: not pid_alive(first["pid"]), what="the sidecar gone")
-    other = Bw(tmp_path / "home2", remote.bw.cwd)
-    other.env.update({k: remote.bw.env[k] for k in ("BOXWARDEN_SSH_CONFIG", "BOXWARDEN_WHEELHOUSE")})
+    other = second_controller(remote, tmp_path)
     try:
         r = up_as(remote, box, "dd1", "--watch", "ckpt", bw=other, code=3)
         assert f"holds run {run}" in r.stderr and "--adopt" in r.stderr, r.stderr
@@ -373,3 +379,26 @@ def test_an_up_that_fails_leaves_no_credentials_behind(bw: Bw, s3: S3Server, tmp
     assert r.returncode == 1, r.stderr
     assert not list((bw.home / "boxes").rglob("durable-credentials"))
     assert bw("status", "cf1").returncode != 0
+
+
+def test_the_meter_waits_for_another_controllers_box_on_the_instance(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Second review of issue 25: another controller's box on the same instance is in none of this
+    controller's records; the box itself says whose sidecars run there before a meter stop."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt")
+    b = second_controller(remote, tmp_path)
+    try:
+        up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        write_as_box(box, "ba/ckpt/a.bin", "A's weights")
+        a.wait_durable("ba", 1)
+        a.ok("pull", "ba", "--to", str(a.cwd / "pa"))
+        a.ok("verify", str(a.cwd / "pa"))
+        meter = a.json("down", "ba", "--confirm", "ba")["teardown"]["meter"]
+        assert meter["sent"] is False and meter["shared_with"] == ["bb (its sidecar runs on the box)"]
+        assert not (tmp_path / "provider.json").exists()  # the provider was never called
+    finally:
+        _exit_master(b, box)
