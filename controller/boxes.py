@@ -583,7 +583,8 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         credentials=spec.credentials,
         reconfigure=reconfigure,
         ours=spec.ours,
-        known_runs=[old.run_id] if old is not None else [],
+        # The runs this controller knows of the box: its record's, and the one `--adopt` takes over.
+        known_runs=[*([old.run_id] if old is not None else []), *([box.run_id] if spec.adopt else [])],
     )
     findings += [checks.Finding.from_json(f) for f in res.findings]
     first_time = not box.notices_shown

@@ -487,7 +487,7 @@ def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str]) -> None:
     with `up --adopt` (its ledger would be rebound to a run it knows nothing of)."""
     last = _last_config(cfg_path) or {}
     run = str(last.get("runId") or "")
-    if not run or run == cfg.get("runId") or run in known_runs:
+    if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return
     raise Refused(
         "mismatch",

@@ -326,6 +326,9 @@ def test_a_dead_sidecar_of_another_controller_is_taken_over_only_with_adopt(
     try:
         r = up_as(remote, box, "dd1", "--watch", "ckpt", bw=other, code=3)
         assert f"holds run {run}" in r.stderr and "--adopt" in r.stderr, r.stderr
+        # Asking for the same run id is no claim to it (second review): only --adopt takes it over.
+        r = up_as(remote, box, "dd1", "--watch", "ckpt", "--run-id", run, bw=other, code=3)
+        assert f"holds run {run}" in r.stderr, r.stderr
         assert other("status", "dd1").returncode != 0  # nothing recorded, nothing started
         doc = up_as(remote, box, "dd1", "--adopt", bw=other)
         assert doc["started"] is True and doc["run_id"] == run
