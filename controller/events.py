@@ -33,6 +33,20 @@ def record(ev: pb.Event) -> dict[str, Any]:
     return d
 
 
+def _run_over(state: State, box: Box) -> str:
+    """Why following the run `box` names has no point any more ("" while it goes on): the box was
+    torn down, or brought up again as another run."""
+    now = state.find(box.name)
+    if now is None or now.status == "down":
+        return f"{box.name} is down: the events of run {box.run_id} end here"
+    if now.run_id != box.run_id:
+        return (
+            f"{box.name} is now run {now.run_id}, brought up again since: the events of run {box.run_id} "
+            f"end here; `boxwarden events {box.name} -f` follows the new run"
+        )
+    return ""
+
+
 async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> int:
     """Keep the box's events after the last one kept, calling `on_event` for each new one; with
     `follow`, keep following (reconnecting after transport failures) until cancelled. Returns how
@@ -58,6 +72,9 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                     raise
                 logger.warning("%s: the link broke (%s); reconnecting", box.name, e)
             while True:  # until the link is back (to the box's own sidecar); Ctrl-C ends it
+                over = _run_over(state, box)
+                if over:
+                    raise ControllerError(over)
                 try:
                     await c.reconnect()
                     await c.hello(timeout_s=5.0)
@@ -66,11 +83,7 @@ async def fetch(state: State, box: Box, *, follow: bool, on_event: OnEvent) -> i
                 except SidecarUnreachable as e:
                     logger.info("%s: not yet (%s)", box.name, e)
                 except SidecarMismatch as e:  # until `up` records the sidecar it (re)started
-                    now = state.find(box.name)
-                    if now is None or now.run_id != box.run_id:
-                        raise ControllerError(
-                            f"{box.name} is now run {now.run_id if now else '(none)'}, brought up again "
-                            f"since: the events of run {box.run_id} end here; `boxwarden events {box.name} "
-                            "-f` follows the new run"
-                        ) from e
+                    over = _run_over(state, box)
+                    if over:
+                        raise ControllerError(over) from e
                     logger.warning("%s: %s", box.name, e)

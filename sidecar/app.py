@@ -184,6 +184,15 @@ def _bind_watch_dirs(ledger: Ledger, s: Settings) -> None:
         ledger.set_meta("watch_dirs", wanted)
 
 
+def _run_journal_start(ledger: Ledger, run_id: str) -> int:
+    """The seq after which this run's journal starts. A ledger kept across runs (the box brought up
+    again as a new run) holds the earlier runs' events: they are never replayed as this run's."""
+    if ledger.meta("run_id") != run_id:
+        ledger.set_meta("run_journal_from", str(ledger.last_seq()))
+        ledger.set_meta("run_id", run_id)
+    return int(ledger.meta("run_journal_from") or 0)
+
+
 def _write_pid(path: Path) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(f"{os.getpid()}\n")
@@ -235,6 +244,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
 
     ledger = Ledger(s.ledger_path)
     _bind_watch_dirs(ledger, s)
+    journal_from = _run_journal_start(ledger, s.run_id)
     journal = Bell()
     ledger.add_event("SIDECAR_STARTED", detail=f"version {__version__} pid {os.getpid()}")
     # Each run of each box has its own corner of the durable store, owned by this ledger: boxes
@@ -408,6 +418,7 @@ async def run(s: Settings, environ: Mapping[str, str] | None = None) -> None:
         started_at_ns=time.time_ns(),
         nonce=nonce,
         credentials_digest=credentials_digest,
+        journal_from=journal_from,
         request_shutdown=stop.set,
         durable_root=store.url,
         backlog=backlog,

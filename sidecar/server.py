@@ -111,6 +111,7 @@ class Parts:
     started_at_ns: int
     nonce: str  # this start's token (sidecar.stamp)
     credentials_digest: str  # HelloResponse.credentials_digest
+    journal_from: int  # the seq after which this run's journal starts (earlier runs' are not its)
     request_shutdown: Callable[[], None]
     durable_root: str
     backlog: Backlog
@@ -327,7 +328,7 @@ class SidecarService:
 
     @translated
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Ctx) -> AsyncIterator[pb.Event]:
-        seq = request.after_seq
+        seq = max(request.after_seq, self._p.journal_from)  # this run's journal only
         while True:
             ticket = self._p.journal.ticket()
             rows = self._p.ledger.events_after(seq)

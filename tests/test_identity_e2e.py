@@ -405,3 +405,21 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         assert not (tmp_path / "provider.json").exists()  # the provider was never called
     finally:
         _exit_master(b, box)
+
+
+def test_a_new_runs_journal_holds_none_of_the_last_runs_events(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: the box's ledger is kept across runs, and `events` of run 2
+    replayed run 1's (its sealed, durable and released files) as run 2's."""
+    p = bw.up("ev2")
+    save_weights(p["watch"] / "cell-a" / "a.safetensors", seed=1)
+    bw.wait_durable("ev2", 1)
+    bw.ok("pull", "ev2", "--to", str(tmp_path / "pulled"))
+    bw.ok("verify", str(tmp_path / "pulled"))
+    bw.ok("down", "ev2", "--confirm", "ev2")
+    bw.ok("up", "ev2", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    save_weights(p["watch"] / "cell-b" / "b.safetensors", seed=2)
+    bw.wait_durable("ev2", 1)
+    lines = [json.loads(x) for x in bw.ok("events", "ev2", "--json").stdout.splitlines() if x.strip()]
+    assert lines and lines[0]["kind"] == "SIDECAR_STARTED"
+    assert not [e for e in lines if e.get("path") == "cell-a/a.safetensors"], lines
+    assert [e["path"] for e in lines if e["kind"] == "ARTIFACT_SEALED"] == ["cell-b/b.safetensors"]

@@ -18,9 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 
-from controller import reach
+from controller import reach, released
 from controller.armed import process_start
 from controller.state import State
 from controller.teardown import RELEASE
@@ -239,6 +240,56 @@ def test_a_sigterm_says_what_is_left_and_arming_again_continues_the_teardown(bw:
     assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
 
 
+def lost_release(bw: Bw, digest: str, *, recorded: bool = True) -> list[str]:
+    """What a teardown whose release's answer was lost leaves (the review's simulation): the step
+    recorded as a teardown records it (of which manifest, before it asks), then ReleaseArtifacts
+    asked directly; the paths it deleted. `recorded` False: the record shows no such release."""
+    state = State(bw.home)
+    box = state.get(NAME)
+    if recorded:
+        state.step(
+            box.with_(status="tearing-down"), RELEASE, released.release_detail(digest, "no answer yet")
+        )
+    state.close()
+
+    async def release() -> list[str]:
+        async with reach.connect(box) as c:
+            await c.hello()
+            return list((await c.release(digest)).deleted)
+
+    return asyncio.run(release())
+
+
+def test_a_lost_release_is_taken_only_for_the_tree_verified_for_it(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: the gate took "released by this teardown" for any tree holding
+    files at the released paths: an older pull of the run (other bytes) passed, and the tree
+    verified for the release was never judged."""
+    p = bw.up(NAME)
+    ckpt = p["watch"] / "cell-a" / "last.safetensors"
+    save_weights(ckpt, seed=1)
+    bw.wait_durable(NAME, 1)
+    old, new = tmp_path / "old", tmp_path / "new"
+    bw.ok("pull", NAME, "--to", str(old))
+    bw.ok("verify", str(old))
+    save_weights(tmp_path / "second.safetensors", seed=2)
+    os.replace(tmp_path / "second.safetensors", ckpt)  # saved again: another claim at the same path
+    first = blake3.blake3((old / "cell-a" / "last.safetensors").read_bytes()).hexdigest()
+
+    def rewritten() -> bool:
+        (claim,) = bw.artifacts(NAME)["claims"]
+        return bool(claim["blake3"] != first and claim["durable"])
+
+    wait_until(rewritten, what="the new bytes durable")
+    # (a claim sealed within its file's racy window is sealed again: pulled once that settled)
+    wait_until(lambda: bw("pull", NAME, "--to", str(new)).returncode == 0, what="the new bytes pulled")
+    bw.ok("verify", str(new))
+    digest = bw.json("down", NAME, "--dry-run", "--pulled", str(new))["manifest_digest"]
+    assert lost_release(bw, digest) == ["cell-a/last.safetensors"]
+    r = bw("down", NAME, "--confirm", NAME, "--pulled", str(old), "--json")
+    assert r.returncode == 3, r.stdout  # the older tree holds other bytes than those released
+    assert bw.json("status", NAME)["boxes"][0]["status"] == "tearing-down"
+
+
 @pytest.mark.parametrize("how", ["when-safe", "down", "not recorded"])
 def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
     bw: Bw, tmp_path: Path, how: str
@@ -257,8 +308,10 @@ def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
     digest = bw.json("down", NAME, "--dry-run", "--pulled", str(pulled))["manifest_digest"]
     state = State(bw.home)
     box = state.get(NAME)
-    if how != "not recorded":
-        state.step(box.with_(status="tearing-down"), RELEASE, "no answer yet")
+    if how != "not recorded":  # as a teardown records it: of which manifest, before it asks
+        state.step(
+            box.with_(status="tearing-down"), RELEASE, released.release_detail(digest, "no answer yet")
+        )
     state.close()
 
     async def release() -> list[str]:

@@ -126,9 +126,10 @@ def command(
 ) -> None:
     """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
     pulled and verified, and you named the box (or how many)."""
-    # SIGTERM ends a `down` as Ctrl-C does: the teardown records what it did (its audit record, its
-    # steps), and the links it opened are closed.
+    # SIGTERM and SIGHUP end a `down` as Ctrl-C does: the teardown records what it did (its audit
+    # record, its steps), and the links it opened are closed.
     signal.signal(signal.SIGTERM, _terminated)
+    signal.signal(signal.SIGHUP, _terminated)  # its terminal closed
     try:
         _command(
             name,

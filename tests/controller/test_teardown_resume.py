@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from controller.state import State
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
 from tests.s3server import S3Server, write_credentials
@@ -232,9 +234,12 @@ def test_a_box_whose_meter_stop_is_unproven_keeps_its_instance(bw: Bw, tmp_path:
     assert box_row(bw)["status"] == "meter-unproven"
 
 
-def test_down_stopped_by_sigterm_during_the_meter_stop_keeps_its_audit_record(bw: Bw, tmp_path: Path) -> None:
-    """Review of issue 25: a `down` ended by SIGTERM (a closed terminal, a CI's timeout) during its
-    meter stop wrote no audit record of the teardown that had sent the stop."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_down_stopped_by_a_signal_during_the_meter_stop_keeps_its_audit_record(
+    bw: Bw, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Review of issue 25: a `down` ended by SIGTERM (a CI's timeout) or SIGHUP (its terminal closed)
+    during its meter stop wrote no audit record of the teardown that had sent the stop."""
     up_pulled_verified(bw, tmp_path)
     prov = provider_dir(tmp_path)
     (prov / "hang").touch()
@@ -245,7 +250,7 @@ def test_down_stopped_by_sigterm_during_the_meter_stop_keeps_its_audit_record(bw
     try:
         wait_until(lambda: (prov / "stopper.pid").exists(), timeout=60, what="the stop command to run")
         stopper = int((prov / "stopper.pid").read_text())
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:

@@ -924,7 +924,10 @@ class WatchEventsRequest(_message.Message):
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
     REPLAY_ONLY_FIELD_NUMBER: _builtins.int
     after_seq: _builtins.int
-    """Replay every event with seq > after_seq, then stream live ones. 0 replays the whole journal."""
+    """Replay every event with seq > after_seq, then stream live ones. 0 replays the whole journal of
+    this run: a state dir kept across runs (the box brought up again as a new run) keeps the
+    earlier runs' events in its ledger, and they are never replayed as this run's (seq goes on).
+    """
     replay_only: _builtins.bool
     """If true, end the stream after the replay instead of waiting for new events."""
     def __init__(
