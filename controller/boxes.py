@@ -131,7 +131,6 @@ async def up(
             exclude=exclude,
             keep=keep,
             push_rate=push_rate,
-            credentials=durable_credentials,
             health=health,
             workdir=workdir,
         )
@@ -230,7 +229,7 @@ async def up(
     bucket = target is not None and not durable_url.parse(target).is_dir
     credentials = None
     if durable_credentials is not None:
-        if not bucket:
+        if not bucket and not adopt:  # (an adopted sidecar's store is known once it is asked)
             raise UsageError(
                 "--durable-credentials goes with an s3:// --durable URL (a directory needs none)"
             )
@@ -274,6 +273,8 @@ async def up(
         on_durable = state_on_durable or (live is not None and live.state_on_durable)
         # The sidecar's venv there needs boto3 for a bucket, prometheus_client for its metrics.
         extras = (*(("metrics",) if spec.health.metrics_port else ()), *(("s3",) if bucket else ()))
+        if adopt:  # what the adopted sidecar needs is known only once it is asked: whatever it may
+            extras = ("metrics", "s3")
         where, default_url = await _remote_where(
             state, name, conn, host, prof, box_dir, box_index, on_durable, extras, live
         )
@@ -415,7 +416,8 @@ async def _remote_where(
 
 
 def _check_adopt(**given: object) -> None:
-    """`up --adopt` takes what the sidecar runs with from the sidecar: nothing of it may be given."""
+    """`up --adopt` takes what the sidecar runs with from the sidecar: nothing of it may be given (but
+    the store's credentials: a dead sidecar's may have left the box with a failed start)."""
     flags = {
         "watch": "--watch",
         "durable": "--durable",
@@ -423,7 +425,6 @@ def _check_adopt(**given: object) -> None:
         "exclude": "--exclude",
         "keep": "--keep",
         "push_rate": "--push-rate",
-        "credentials": "--durable-credentials",
         "workdir": "--workdir",
     }
     named = [flag for key, flag in flags.items() if given[key]]
@@ -461,6 +462,11 @@ async def _adopted(spec: UpSpec, conn: Connector, where: Where) -> UpSpec:
         raise UsageError(
             f"--adopt: the sidecar of {spec.name} was started with profile {cfg.profile!r}: give --profile "
             f"{cfg.profile} (its meter stop is that profile's)"
+        )
+    if spec.credentials is not None and durable_url.parse(cfg.durable_url).is_dir:
+        raise UsageError(
+            f"--adopt: {spec.name} keeps its copies in {cfg.durable_url}, a directory: it needs no "
+            "--durable-credentials"
         )
     if spec.old is not None and spec.old.status == "down" and spec.old.run_id == cfg.run_id:
         raise UsageError(f"--adopt: run {cfg.run_id} of {spec.name} was torn down by this controller")

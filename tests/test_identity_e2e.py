@@ -423,3 +423,26 @@ def test_a_new_runs_journal_holds_none_of_the_last_runs_events(bw: Bw, tmp_path:
     assert lines and lines[0]["kind"] == "SIDECAR_STARTED"
     assert not [e for e in lines if e.get("path") == "cell-a/a.safetensors"], lines
     assert [e["path"] for e in lines if e["kind"] == "ARTIFACT_SEALED"] == ["cell-b/b.safetensors"]
+
+
+def test_a_dead_sidecar_whose_credentials_are_gone_is_adopted_with_new_ones(
+    remote: Remote,  # noqa: F811
+    s3: S3Server,
+    tmp_path: Path,
+) -> None:
+    """Second review of issue 25: adopting a dead sidecar whose credentials file had left the box
+    went in a circle (`--adopt` asked for --durable-credentials and refused them)."""
+    creds = write_credentials(tmp_path / "creds")
+    box, first = bucket_box(remote, s3, "ac1", creds)
+    run = remote.bw.record("ac1")["run_id"]
+    os.kill(first["pid"], signal.SIGKILL)
+    wait_until(lambda: not pid_alive(first["pid"]), what="the sidecar gone")
+    (box.home / ".boxwarden" / "boxes" / "ac1" / "sidecar" / "durable-credentials").unlink()
+    other = second_controller(remote, tmp_path)
+    try:
+        r = up_as(remote, box, "ac1", "--adopt", bw=other, code=2)
+        assert "give --durable-credentials FILE again" in r.stderr, r.stderr
+        doc = up_as(remote, box, "ac1", "--adopt", "--durable-credentials", str(creds), bw=other)
+        assert doc["started"] is True and doc["run_id"] == run and doc["durable"].startswith("s3://")
+    finally:
+        _exit_master(other, box)
