@@ -13,7 +13,7 @@ import math
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -530,7 +530,8 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         check_path_text(w, "--watch")
     # A directory as the box resolved it; a bucket as given (it is off the box: on no tier of it).
     durable = Path(facts["durable"]).as_uri() if target.is_dir else url
-    _same_claims(name, old, live, watch_abs, str(facts["durable"]) if target.is_dir else url, spec.run_id)
+    ddir = str(facts["durable"]) if target.is_dir else url
+    _same_claims(name, old, live, watch_abs, ddir, spec.run_id, state.torn_down_runs(name))
     findings = checks.watch_tier(
         prof, watch_abs, facts["durable"] if target.is_dir else None, facts["real"], facts["tiers"]
     )
@@ -693,13 +694,21 @@ def check_exclude(pattern: str) -> None:
 
 
 def _same_claims(
-    name: str, old: Box | None, live: Box | None, watch: list[str], ddir: str, run_id: str | None
+    name: str,
+    old: Box | None,
+    live: Box | None,
+    watch: list[str],
+    ddir: str,
+    run_id: str | None,
+    torn: Collection[str] = (),
 ) -> None:
     """A box that was not torn down keeps what it watches, where its copies go and its run: its
     claims are about those (its sidecar may have died silently; a new one must not change them).
-    A run that was torn down is over: its id is not reused."""
-    if old is not None and old.status == "down" and run_id is not None and run_id == old.run_id:
-        raise UsageError(f"run {run_id} was torn down; pick a new run id (--run-id)")
+    A run that was torn down is over (the last one, or any its audit records name): its id is not
+    reused."""
+    over = {*torn, *([old.run_id] if old is not None and old.status == "down" else [])}
+    if run_id is not None and run_id in over and (live is None or run_id != live.run_id):
+        raise UsageError(f"run {run_id} of {name} was torn down; pick a new run id (--run-id)")
     if live is None:
         return
     if set(watch) != set(live.watch):

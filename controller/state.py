@@ -373,6 +373,16 @@ class State:
             assert cur.lastrowid is not None
             return cur.lastrowid
 
+    def torn_down_runs(self, box: str) -> set[str]:
+        """The runs of `box` a teardown took down (as far as its audit records name their run)."""
+        rows = self._db.execute("SELECT record FROM teardowns WHERE box = ?", (box,)).fetchall()
+        runs = set()
+        for (record,) in rows:
+            doc = json.loads(record)
+            if doc.get("run_id") and (doc.get("result") or {}).get("gone"):
+                runs.add(str(doc["run_id"]))
+        return runs
+
     def last_audit_ns(self, box: str) -> int:
         """When the box's last teardown record was written (0: never)."""
         row = self._db.execute("SELECT MAX(at_ns) FROM teardowns WHERE box = ?", (box,)).fetchone()

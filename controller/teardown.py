@@ -449,6 +449,7 @@ def record_of(box: Box, profile: Profile, actions: list[str]) -> dict[str, objec
         "profile_source": profile.source,
         "profile_digest": profile.digest,
         "instance_id": box.instance_id,
+        "run_id": box.run_id,
         "actions": actions,
     }
 

@@ -446,3 +446,15 @@ def test_a_dead_sidecar_whose_credentials_are_gone_is_adopted_with_new_ones(
         assert doc["started"] is True and doc["run_id"] == run and doc["durable"].startswith("s3://")
     finally:
         _exit_master(other, box)
+
+
+def test_a_run_id_that_was_torn_down_is_never_taken_again(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: `up --run-id R1` was refused right after R1's teardown, but taken
+    once another run had come and gone in between."""
+    for run in ("r1", "r2"):
+        bw.ok("up", "ri1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--run-id", run)
+        bw.ok("pull", "ri1", "--to", str(tmp_path / f"p-{run}"))
+        bw.ok("verify", str(tmp_path / f"p-{run}"), "--allow-empty")
+        bw.ok("down", "ri1", "--confirm", "ri1", "--pulled", str(tmp_path / f"p-{run}"))
+    r = bw("up", "ri1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--run-id", "r1")
+    assert r.returncode == 2 and "run r1 of ri1 was torn down" in r.stderr, r.stderr
