@@ -129,13 +129,32 @@ def check_option(text: str) -> tuple[str, str]:
     return key, value
 
 
+PLAN_TAKEN = frozenset(
+    {
+        "port", "user", "hostname", "proxyjump", "connecttimeout", "connectionattempts",
+        "serveraliveinterval", "serveralivecountmax", "tcpkeepalive", "compression", "ipqos",
+        "addressfamily", "loglevel", "preferredauthentications", "pubkeyauthentication",
+        "passwordauthentication", "kbdinteractiveauthentication", "numberofpasswordprompts",
+        "rekeylimit",
+    }
+)  # fmt: skip
+"""The only ssh options a plan may set unasked: where the box is and how long to wait for it. Any
+other (the list of what some do is PLAN_REFUSED; new ones come with every OpenSSH release) needs
+`fanout up --trust-plan`."""
+
+
+_NOT_TAKEN = "is none of the options a plan may set unasked (where the box is, how long to wait for it)"
+
+
 def plan_refuses(key: str, value: str) -> str:
     """What option `key` set to `value` would make ssh do that a plan may not ask unasked ("" if
-    nothing: a harmless option, or one set to a harmless value)."""
+    nothing: one of PLAN_TAKEN, or a refused one set to a harmless value)."""
     k = key.lower()
-    if k not in PLAN_REFUSED or value.strip().lower() in _HARMLESS.get(k, ("none",)):
+    if k in PLAN_TAKEN or (k in PLAN_REFUSED and value.strip().lower() in _HARMLESS.get(k, ("none",))):
         return ""
-    return PLAN_REFUSED[k]
+    return PLAN_REFUSED.get(
+        k, "is none of the options a plan may set unasked (where the box is, how long to wait)"
+    )
 
 
 def check_plan_option(text: str, where: str) -> tuple[str, str]:

@@ -148,6 +148,13 @@ def test_no_config_file_means_the_users_own() -> None:
         "IdentityFile=~/.ssh/id_work",
         "CertificateFile=~/.ssh/id_work-cert.pub",
         "Tunnel=yes",
+        # Second review: options no list named (Kerberos delegation, revoked keys, weak crypto).
+        "GSSAPIDelegateCredentials=yes",
+        "GSSAPIKeyExchange=yes",
+        "RevokedHostKeys=/dev/null",
+        "CASignatureAlgorithms=ssh-rsa",
+        "KexAlgorithms=+diffie-hellman-group1-sha1",
+        "Ciphers=+3des-cbc",
     ],
 )
 def test_a_plan_option_that_runs_code_sends_secrets_or_opens_ports_is_a_plan_s_ask(option: str) -> None:
