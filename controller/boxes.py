@@ -117,10 +117,12 @@ async def up(
     health: HealthOptions | None = None,
     price_per_hour: float | None = None,
     adopt: bool = False,
+    profile_digest: str | None = None,
 ) -> UpOutcome:
     """`adopt`: take over the sidecar that runs the box (started by another controller, or before
     this controller's state was lost): its run, store, watched dirs and settings are taken from its
-    Hello, none given here. Without it, a sidecar this controller did not start is refused."""
+    Hello, none given here. Without it, a sidecar this controller did not start is refused.
+    `profile_digest`: the text the profile file must still have (as a plan read and trusted it)."""
     # Every refusal comes before anything is created, started or recorded.
     check_name(name)
     if adopt:
@@ -146,6 +148,11 @@ async def up(
         if path is not None:
             check_path_text(path, what)
     prof = profiles.resolve(profile, profile_file)
+    if profile_digest is not None and prof.digest != profile_digest:
+        raise UsageError(
+            f"the profile file {profile_file} changed since the plan was read (its meter stop may be "
+            "another now): nothing was done; run `fanout up` again to read it, and see the difference"
+        )
     options: tuple[str, ...] = ()
     if state_on_durable and host is None:
         raise UsageError("--state-on-durable goes with --host DEST (a remote box)")
@@ -535,6 +542,16 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
     findings = checks.watch_tier(
         prof, watch_abs, facts["durable"] if target.is_dir else None, facts["real"], facts["tiers"]
     )
+    if live is not None and live.profile_digest and live.profile_digest != prof.digest:
+        stop = " ".join(prof.meter_stop.argv) if prof.meter_stop.mode == "argv" else prof.meter_stop.mode
+        findings.append(
+            checks.Finding(
+                "warn",
+                "profile_changed",
+                f"the profile {prof.source} changed since {name} was last brought up: its meter stop is "
+                f"now {stop!r}, and this text is the one `down` will run",
+            )
+        )
     errors = [f for f in findings if f.level == "error"]
     if errors:
         raise ControllerError("; ".join(f.message for f in errors))

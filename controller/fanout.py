@@ -270,6 +270,7 @@ async def _one(state: State, plan: Plan, plan_dir: Path, bp: BoxPlan, status: st
             ssh_options=b.ssh_options,
             ssh_config=os.environ.get("BOXWARDEN_SSH_CONFIG", ""),
             price_per_hour=b.price_per_hour,
+            profile_digest=b.profile_digest or None,
         )
         out.up = "started" if result.result.started else "running"
     except ControllerError as e:

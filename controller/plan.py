@@ -61,6 +61,7 @@ class PlanBox:
     ssh_options: tuple[str, ...]
     price_per_hour: float | None
     line: int | None = None
+    profile_digest: str = ""  # the profile_file's text as read with the plan (what --trust-plan took)
 
 
 @dataclass(frozen=True)
@@ -201,11 +202,13 @@ def _boxes(
             raise t.fail("profile", "give exactly one of profile (a shipped one) or profile_file")
         if profile and profile not in known:
             raise t.fail("profile", f"{profile!r} is no known profile; known: {', '.join(sorted(known))}")
+        digest = ""
         if profile_file:
             path = (base / profile_file).resolve()
             if not path.is_file():
                 raise t.fail("profile_file", f"{str(path)!r} is not a file")
             profile_file = str(path)
+            digest = profiles.load_file(path).digest
             asks += _profile_file_asks(t, text, path, known)
         watch = t.text_list("watch") or ("ckpt",)
         price = t.number_or_none("price_per_hour")
@@ -223,6 +226,7 @@ def _boxes(
                 ssh_options=_ssh_options(t, text, asks),
                 price_per_hour=price,
                 line=line,
+                profile_digest=digest,
             )
         )
         t.done()
@@ -309,6 +313,8 @@ def plan_json(plan: Plan, assigned: Mapping[str, Sequence[QueuedCellSpec]] | Non
 def box_json(b: PlanBox, cells: Sequence[QueuedCellSpec]) -> dict[str, Any]:
     return {
         "profile": b.profile or b.profile_file,
+        # A profile file's text: an edit of its meter stop is a change of the plan, shown and confirmed.
+        **({"profile_digest": b.profile_digest} if b.profile_digest else {}),
         "host": b.host,
         "instance_id": b.instance_id,
         "watch": list(b.watch),

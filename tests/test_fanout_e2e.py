@@ -201,6 +201,13 @@ def test_a_plan_s_own_profile_file_is_taken_only_with_trust_plan(bw: Bw, tmp_pat
     assert "--trust-plan" in r.stderr and bw.json("status")["boxes"] == []  # nothing started or recorded
     doc = bw.json("fanout", "up", str(plan), "--trust-plan")
     assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [("g1", "started", "")]
+    # Its meter stop edited since it was trusted (second review): a change of the plan, shown and
+    # confirmed, never taken again silently.
+    prof = shared / "fakecloud.toml"
+    prof.write_text(prof.read_text().replace('"delete"', '"destroy-everything"'))
+    r = bw("fanout", "up", str(plan), "--trust-plan")
+    assert r.returncode == 2 and "profile_digest" in r.stderr and "--yes" in r.stderr, r.stderr
+    assert bw("fanout", "up", str(plan), "--trust-plan", "--yes").returncode == 0
 
 
 def test_two_boxes_that_would_watch_one_directory_are_refused(bw: Bw, tmp_path: Path) -> None:

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from controller.digest import path_key
 from tests.conftest import Bw, pid_alive, save_ckpt, wait_until
 
@@ -161,3 +163,26 @@ def test_run_restart_on_failure_starts_a_failing_job_again(bw: Bw) -> None:
     assert str(events[0]["detail"]).startswith("attempt 1 of 1 after exit 4")
     r = bw("run", "b1", "--restart", "always", "--", "true")
     assert r.returncode != 0 and "on-failure" in r.stderr
+
+
+def test_a_plans_profile_file_changed_after_it_was_read_is_refused(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: a plan's profile file was checked when the plan was read and
+    loaded again at `up`: a file replaced in between (an interactive prompt's time) was pinned.
+    `up` takes the text the plan read, or nothing."""
+    import asyncio
+
+    from controller import boxes
+    from controller.errors import UsageError
+    from controller.state import State
+    from tests.controller.test_meter_stop import fake_profile
+
+    prof = fake_profile(tmp_path)
+    state = State(bw.home)
+    try:
+        args = dict(profile=None, profile_file=prof, instance_id="i-1", workdir=str(bw.cwd), watch=["ckpt"],
+                    durable=None, run_id=None, roster=())  # fmt: skip
+        with pytest.raises(UsageError, match="changed since the plan was read"):
+            asyncio.run(boxes.up(state, "pf1", **args, profile_digest="0" * 64))  # type: ignore[arg-type]
+        assert state.find("pf1") is None and not bw.sidecar_pids()
+    finally:
+        state.close()
