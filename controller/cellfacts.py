@@ -36,6 +36,7 @@ class Fact:
     cell: str
     state: str  # pending, running, done, failed, skipped, cancelled
     durability: str = ""  # of a done or skipped cell: durable, pushing, no_checkpoint
+    claims: int = -1  # the claims under its directories when listed (-1: a listing that did not say)
     exit_code: int | None = None
     detail: str = ""
     job_id: str = ""
@@ -46,12 +47,12 @@ class Fact:
 
     @property
     def finished(self) -> bool:
-        return _rank(self.state, self.durability, self.stopped) == _FINISHED
+        return _rank(self.state, self.durability, self.stopped, self.claims) == _FINISHED
 
     @property
     def active(self) -> bool:
         """Still to run (or running) in a queue that was not stopped."""
-        return _rank(self.state, self.durability, self.stopped) == _ACTIVE
+        return _rank(self.state, self.durability, self.stopped, self.claims) == _ACTIVE
 
     def same_command(self, spec: QueuedCellSpec) -> bool | None:
         """Whether `spec` is the command this cell ran with (None: not known)."""
@@ -72,6 +73,8 @@ class Fact:
             if self.durability == "no_checkpoint":
                 return f"exited 0{job} but left no checkpoint"
             if self.durability == "pushing":
+                if self.claims == 0:
+                    return f"done{job}, nothing claimed yet when last seen (settling)"
                 return f"done{job}, its checkpoints still on their way when last seen"
             return f"done{job}, its checkpoints durable"
         if self.state == "cancelled":
@@ -83,7 +86,12 @@ class Fact:
         return f"{self.state}{why}{job}"
 
 
-def _rank(state: str, durability: str, stopped: bool) -> int:
+def _rank(state: str, durability: str, stopped: bool, claims: int) -> int:
+    """Which of two listings says more of a cell. Done with its checkpoints on their way counts as
+    finished only once something was claimed: a cell whose job just ended with nothing claimed yet
+    is still settling (its queue says NO_CHECKPOINT a few seconds later when nothing comes)."""
+    if state in ("done", "skipped") and durability == "pushing" and claims == 0:
+        return _ACTIVE
     if state in ("done", "skipped") and durability in ("durable", "pushing"):
         return _FINISHED
     if state in ("pending", "running") and not stopped:
@@ -95,6 +103,7 @@ def _record(q: pb.Queue, c: pb.QueuedCell) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "state": queues.cell_state(c),
         "durability": queues.durability_name(c),
+        "claims": c.claims,
         "exit_code": c.exit_code if c.state in (pb.CELL_DONE, pb.CELL_FAILED) and c.job_id else None,
         "detail": c.detail,
         "job_id": c.job_id,
@@ -108,7 +117,7 @@ def _record(q: pb.Queue, c: pb.QueuedCell) -> dict[str, Any]:
 
 
 def _order(doc: Mapping[str, Any]) -> int:
-    return _rank(str(doc["state"]), str(doc["durability"]), bool(doc["stopped"]))
+    return _rank(str(doc["state"]), str(doc["durability"]), bool(doc["stopped"]), int(doc.get("claims", -1)))
 
 
 def _merge(kept: Mapping[str, Any] | None, new: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -158,6 +167,7 @@ def facts(state: State, cells: Sequence[str]) -> dict[str, list[Fact]]:
                 cell=cell,
                 state=str(doc.get("state", "")),
                 durability=str(doc.get("durability", "")),
+                claims=int(doc.get("claims", -1)),
                 exit_code=doc.get("exit_code"),
                 detail=str(doc.get("detail", "")),
                 job_id=str(doc.get("job_id", "")),

@@ -189,3 +189,34 @@ def test_what_cannot_be_met_is_refused_before_anything_starts() -> None:
             plan_of(SPREAD + '\n[[cell]]\nname = "c4"\n'), applied(first), Seen({"f1": "down", "f2": "down"})
         )
     assert [bp.action for bp in settle(first, None, Seen({})).boxes] == [NEW, NEW]
+
+
+def test_a_cell_done_with_nothing_claimed_yet_is_not_finished(tmp_path: Path) -> None:
+    """Second review of issue 25: a queue read in the seconds after a cell's job ended with nothing
+    claimed said PUSHING, and the cell was kept finished for good, though its queue said
+    NO_CHECKPOINT once those seconds passed."""
+    from boxwarden_pb.v1 import sidecar_pb2 as pb
+
+    from controller import cellfacts
+    from controller.state import Box, State
+
+    def listing(durability: int, claims: int) -> pb.Queue:
+        cell = pb.QueuedCell(spec=pb.QueueCell(cell="a"), state=pb.CELL_DONE, job_id="j1", exit_code=0,
+                             durability=durability, claims=claims)  # fmt: skip
+        return pb.Queue(name="p", cells=[cell])
+
+    state = State(tmp_path / "home")
+    box = Box(name="g1", profile="local", box_dir="", state_dir="", socket="", workdir="", watch=(),
+              durable="", run_id="r1")  # fmt: skip
+    try:
+        cellfacts.learn(state, box, [listing(pb.CELL_PUSHING, 0)])
+        (fact,) = cellfacts.facts(state, ["a"])["a"]
+        assert not fact.finished and "nothing claimed yet" in fact.describe()
+        cellfacts.learn(state, box, [listing(pb.CELL_NO_CHECKPOINT, 0)])
+        (fact,) = cellfacts.facts(state, ["a"])["a"]
+        assert not fact.finished and "left no checkpoint" in fact.describe()
+        cellfacts.learn(state, box, [listing(pb.CELL_PUSHING, 2)])  # a cell that did save: finished
+        (fact,) = cellfacts.facts(state, ["a"])["a"]
+        assert fact.finished
+    finally:
+        state.close()
