@@ -40,7 +40,8 @@ LOOK_S = 15.0  # how long a box's queue is waited for before the plan is settled
 @dataclass
 class BoxOutcome:
     box: str
-    up: str = ""  # "started", "running" (left alone), "down" (torn down, left so), or "" when up failed
+    up: str = ""  # "started", "running" (left alone), "down" (torn down, left so; a teardown left
+    # unfinished: its status, e.g. "tearing-down"), or "" when up failed
     queue: str = ""  # "queued", "unchanged", "none" (nothing to queue), or "" when not queued
     cells: list[str] = field(default_factory=list)  # its cells by identity
     queued: list[str] = field(default_factory=list)  # those queued on it now
@@ -205,7 +206,13 @@ async def up(
     done = {o.box: o for o in outcomes}
     _record(state, plan, old, doc, settled, done)
     left = [
-        BoxOutcome(bp.box.name, up="down", queue="none", cells=[c.name for c in bp.cells], held=bp.held)
+        BoxOutcome(
+            bp.box.name,
+            up=seen.status.get(bp.box.name) or "down",  # "tearing-down" and the like say so
+            queue="none",
+            cells=[c.name for c in bp.cells],
+            held=bp.held,
+        )
         for bp in settled.boxes
         if bp.action == DOWN
     ]

@@ -118,10 +118,18 @@ def settle(
     actions: dict[str, str] = {}
     for b in names:
         status = seen.status.get(b)
-        actions[b] = NEW if status is None else UP if status == "up" else RESTART if b in restart else DOWN
+        down = status == "down"  # (a teardown unfinished is no torn-down box: its meter may still run)
+        actions[b] = (
+            NEW if status is None else UP if status == "up" else RESTART if b in restart and down else DOWN
+        )
     for b in restart:
         if b not in actions:
             raise UsageError(f"--restart-box {b}: no [[box]] of plan {plan.name} has that name")
+        if seen.status.get(b) not in (None, "up", "down"):
+            raise UsageError(
+                f"--restart-box {b}: its teardown did not finish ({seen.status.get(b)}; its meter may still "
+                f"run): `boxwarden down {b} --confirm {b}` continues it first"
+            )
         if actions[b] != RESTART:
             raise UsageError(
                 f"--restart-box {b}: {b} is {'up' if actions[b] == UP else 'new'}, not torn down"
@@ -229,6 +237,12 @@ def _notes(plan: Plan, bp: BoxPlan, rerun: Collection[str], seen: Seen) -> list[
         ended = [c.name for c in bp.cells if seen.finished(c.name)]
         waiting = [c.name for c in bp.cells if c.name not in ended]
         line = f"box {b}: torn down, not started again (`fanout up --restart-box {b}` starts it)"
+        status = seen.status.get(b)
+        if status != "down":
+            line = (
+                f"box {b}: its teardown did not finish ({status}; its meter may still run), not started: "
+                f"`boxwarden down {b} --confirm {b}` continues it"
+            )
         if ended:
             line += f"; its cells {', '.join(ended)} finished"
         if waiting:

@@ -242,3 +242,27 @@ def test_what_a_box_finished_is_known_after_its_down_even_if_no_one_read_its_que
     r = bw("fanout", "up", str(plan), "--json")
     assert r.returncode == 0 and "its cells b finished" in r.stderr, r.stderr
     assert len(runs(marks, "b")) == 1
+
+
+def test_a_box_whose_teardown_did_not_finish_is_never_called_torn_down_nor_restarted(
+    bw: Bw, tmp_path: Path, marks: Path
+) -> None:
+    """Second review of issue 25: fanout called a box whose teardown was interrupted "torn down"
+    (its meter may still run), and --restart-box brought it up, dropping the unfinished teardown."""
+    from controller.state import State
+
+    plan = write_plan(tmp_path / "sweep.toml", marks, CELLS)
+    bw.ok("fanout", "up", str(plan))
+    wait_queues(bw, "f1", "f2")
+    state = State(bw.home)
+    try:  # what a SIGTERM during f2's release leaves
+        state.step(state.get("f2").with_(status="tearing-down"), "release", "no answer yet")
+    finally:
+        state.close()
+    r = bw("fanout", "up", str(plan), "--json")
+    assert r.returncode == 0, r.stderr
+    assert "box f2: its teardown did not finish (tearing-down" in r.stderr and "torn down" not in r.stderr
+    assert {b["box"]: b["up"] for b in json.loads(r.stdout)["boxes"]}["f2"] == "tearing-down"
+    r = bw("fanout", "up", str(plan), "--restart-box", "f2")
+    assert r.returncode == 2 and "boxwarden down f2 --confirm f2` continues it first" in r.stderr
+    assert bw.json("status", "f2")["boxes"][0]["status"] == "tearing-down"
