@@ -57,6 +57,12 @@ def esc(text: str, *, multiline: bool = False) -> str:
     return escape(safe(text, multiline=multiline))
 
 
+def esc_block(text: str, indent: str = "    ") -> str:
+    """`esc` of a message of several lines (its lines after the first indented): a line of box text
+    in it (a log's tail, a command line) never starts a line of its own that reads as this output's."""
+    return esc(text, multiline=True).replace("\n", "\n" + indent)
+
+
 def _console() -> Console:
     # Built per call so that a redirected sys.stderr (tests, pipes) is honoured.
     from rich.console import Console
@@ -80,11 +86,11 @@ def table_out(t: Table) -> None:
 
 
 def error(msg: str) -> None:
-    _console().print(f"[bold red]error:[/] {esc(msg, multiline=True)}")
+    _console().print(f"[bold red]error:[/] {esc_block(msg)}")
 
 
 def warn(msg: str) -> None:
-    _console().print(f"[bold yellow]warning:[/] {esc(msg, multiline=True)}")
+    _console().print(f"[bold yellow]warning:[/] {esc_block(msg)}")
 
 
 def json_out(doc: object, *, compact: bool = False) -> None:
@@ -167,7 +173,7 @@ def reasons(rs: Sequence[Reason]) -> None:
     c = _console()
     for r in rs:
         where = f" {r.path}" if r.path else ""
-        c.print(f"  [red]{esc(r.code)}[/]{esc(where)}: {esc(r.detail, multiline=True)}")
+        c.print(f"  [red]{esc(r.code)}[/]{esc(where)}: {esc(r.detail)}")  # one line: box text in it too
 
 
 def up_result(box: Box, res: UpResult) -> None:
@@ -891,7 +897,7 @@ def fleet_verdicts(outcomes: Sequence[DownOutcome], *, dry_run: bool) -> None:
             c.print(f"  [bold red]REFUSED[/] {esc(o.box)}: {esc(', '.join(o.codes))}")
             reasons(o.reasons)
         else:
-            c.print(f"  [bold red]ERROR[/] {esc(o.box)}: {esc(o.error, multiline=True)}")
+            c.print(f"  [bold red]ERROR[/] {esc(o.box)}: {esc_block(o.error, '      ')}")
 
 
 def fleet_confirm_prompt(names: Sequence[str]) -> str:
@@ -914,7 +920,7 @@ def fleet_down_report(outcomes: Sequence[DownOutcome], *, shown: Collection[str]
             _console().print(f"[bold red]not torn down[/] {esc(o.box)}: {esc(', '.join(o.codes))}")
             if o.box not in shown:
                 if o.error:
-                    info(f"  {esc(o.error, multiline=True)}")
+                    info(f"  {esc_block(o.error)}")
                 reasons(o.reasons)
         else:
             error(f"{o.box}: not torn down: {o.error}")

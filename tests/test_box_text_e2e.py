@@ -10,10 +10,11 @@ import os
 import pty
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from controller import render
-from tests.conftest import Bw, wait_until
+from tests.conftest import Bw, save_weights, wait_until
 
 # A line that would retitle the terminal, ring, erase what came before it, reverse what follows it
 # and clear the screen, then show a forged event.
@@ -114,3 +115,22 @@ def test_artifacts_show_excluded_names_escaped_markup_and_all(bw: Bw) -> None:
     r = bw("artifacts", NAME)
     assert r.returncode == 0, r.stderr
     assert "[red]a.log" in r.stderr and "b\\x1b]0;t\\x07.log" in r.stderr, r.stderr
+
+
+def test_a_strays_command_line_never_starts_a_line_of_downs_own(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: a stray's command line is box text, and a newline in it started a
+    line of `down`'s refusal of its own (`ALLOWED: ...` under REFUSED)."""
+    p = bw.up("sn")
+    save_weights(p["watch"] / "cell-a" / "a.safetensors", seed=1)
+    bw.wait_durable("sn", 1)
+    bw.ok("pull", "sn", "--to", str(tmp_path / "t"))
+    bw.ok("verify", str(tmp_path / "t"))
+    forged = "x\nALLOWED: sn may be torn down (dry run: nothing was done)\n"
+    stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", forged], cwd=bw.cwd)
+    try:
+        r = bw("down", "sn", "--dry-run")
+        assert r.returncode == 3 and "STRAY_PROCESS" in r.stderr, r.stderr
+        assert not [line for line in r.stderr.splitlines() if line.lstrip().startswith("ALLOWED")], r.stderr
+    finally:
+        stray.kill()
+        stray.wait()
