@@ -255,7 +255,9 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
     freed = ev.released is not None and live and not ev.claims and ev.released.proves(ev.marker_digest)
     if ev.verify is not None:
         v = ev.verify
-        found = [r for r in v.reasons if not (freed and r.code == "EMPTY")]
+        # (what the release deleted is retired in a tree pulled since: not there, not the roster's;
+        # the marker was written for that manifest, roster and all)
+        found = [r for r in v.reasons if not (freed and r.code in ("EMPTY", "ROSTER_INCOMPLETE"))]
         reasons.extend(found)
         checks.append(
             Check(

@@ -5,9 +5,9 @@ nothing.
 
 The gate takes "released by this teardown" only when each of these holds, and refuses as before
 (EMPTY, MANIFEST_STALE) otherwise:
-- the controller's record shows a teardown of the box under way (`tearing-down`) whose release step
-  names the manifest the release was asked for (recorded before the release is asked, and only once
-  a gate allowed it for exactly that manifest);
+- the controller's record shows a teardown of the box whose release step names the manifest the
+  release was asked for (recorded before the release is asked, and only once a gate allowed it for
+  exactly that manifest; kept across an `up` that brought a dead sidecar back);
 - the box answers now, claims nothing and has nothing waiting to be claimed (the gate's other
   checks, jobs and strays, still hold);
 - the box's own journal says a release deleted some of its claims (ARTIFACT_RELEASED);
@@ -81,7 +81,7 @@ async def gather(
     """What the release `asked` (the box's unfinished teardown's, controller.teardown.release_asked)
     deleted and what the tree holds of it; None where that cannot be said (no release asked, no
     tree, no journal, no manifest): the gate then judges as for any run."""
-    if box.status != "tearing-down" or pulled_dir is None or asked is None:
+    if pulled_dir is None or asked is None:
         return None
     try:
         manifest = read_manifest(pulled_dir / MANIFEST_NAME)

@@ -42,7 +42,9 @@ RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_go
 STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP)
 # What stays true of the box once a sidecar answers `up` again: its meter stop may have been sent
 # (the next stop polls first). The other steps were taken on a sidecar that is not the one watching.
-KEPT_BY_UP = (METER_STOP,)
+KEPT_BY_UP = (METER_STOP, RELEASE)
+"""(A release asked for stays on record across `up`: what it deleted on the box is deleted still,
+and its manifest is what the gate may take as "released by this teardown": controller.released.)"""
 UNFINISHED_CODE = "TEARDOWN_UNFINISHED"
 
 
@@ -176,10 +178,17 @@ def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: 
     else:
         head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
     poll = f"; the poll says it is still there ({poll_said})" if poll_said else ""
+    then = "pull, verify and"
+    if released.release_asked(u.steps.get(RELEASE)) is not None and SIDECAR_GONE not in u.steps:
+        # Its release may have deleted the box's claims: the tree verified for it is judged as it is.
+        then = (
+            "without pulling or verifying again (the release may have deleted what the box claimed; "
+            f"the tree verified for it, {box.pulled_dir or 'the one you pulled'}, is judged as it is),"
+        )
     return GateRefused(
         f"{head}{poll}. The box may still be running and nothing watches it (its sidecar does not "
         "answer), so nothing was sent. To let the gate check the box again, restart its sidecar: "
-        f"`{up_command(box)}`, then pull, verify and `boxwarden down {box.name} --confirm {box.name}`"
+        f"`{up_command(box)}`, then {then} `boxwarden down {box.name} --confirm {box.name}`"
         + (
             ". If you know the box is being destroyed anyway, "
             f"`boxwarden down {box.name} --confirm {box.name} --resend-stop` sends the stop again "

@@ -121,14 +121,16 @@ async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) ->
     """Pull, then verify as `verify DIR` does (the tree against its manifest, then a marker): what
     is still missing ([] when the tree verified). A run that left nothing at all never passes
     without `allow_empty`: refused (GateRefused)."""
+    if await _released_here(state, box, pull_to):
+        # Verified before this teardown's release deleted the box's claims: the gate hashes it again
+        # as it stands (a pull now would list them retired, and the roster would find nothing).
+        return []
     try:
         rep = await reach.pull_box(state, box, pull_to)
     except ControllerError as e:
         return [f"the pull ({e})"]
     if rep.unavailable:
         return [f"the pull: {', '.join(sorted(rep.unavailable))} unavailable"]
-    if await _released_here(state, box, pull_to):
-        return []  # verified before this teardown's release: the gate hashes it again as it stands
     checked = await asyncio.to_thread(
         verify_tree,
         pull_to,
@@ -166,7 +168,7 @@ async def _released_here(state: State, box: Box, pull_to: Path) -> bool:
     """This teardown's release deleted the box's claims (its answer was lost) and the tree holds
     them as its marker verified them (controller.released). A verify now would find a box that
     claims nothing, call the run empty and remove that marker: the gate judges the tree as it is."""
-    if box.status != "tearing-down":
+    if teardown.asked_release(state, box) is None:
         return False
     try:
         marker = read_marker(pull_to)

@@ -25,7 +25,7 @@ from controller import reach, released
 from controller.armed import process_start
 from controller.state import State
 from controller.teardown import RELEASE
-from tests.conftest import Bw, save_weights, wait_until
+from tests.conftest import Bw, pid_alive, save_weights, wait_until
 
 NAME = "ws"
 # Saves a checkpoint (safetensors, as tests.conftest.save_weights writes one), then waits for its
@@ -297,8 +297,10 @@ def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
     """The release finished on the box, its answer never came back (the review's simulation: the
     step recorded, ReleaseArtifacts asked directly). Armed again, or pulled and `down` again, the
     gate sees the claims released by this teardown, held by the tree it verified: not an empty run.
-    A release the record does not show was asked for proves nothing: refused as before."""
-    p = bw.up(NAME)
+    A release the record does not show was asked for proves nothing: refused as before. The box has
+    a roster (second review): the tree verified for the release held it; a pull since lists those
+    files retired, and the follower no longer pulls once the release is on record."""
+    p = bw.up(NAME, "--roster", "cell-a", "--roster", "cell-b")
     save_weights(p["watch"] / "cell-a" / "one.safetensors", seed=1)
     save_weights(p["watch"] / "cell-b" / "two.safetensors", seed=2)
     bw.wait_durable(NAME, 2)
@@ -306,20 +308,8 @@ def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
     bw.ok("pull", NAME, "--to", str(pulled))
     bw.ok("verify", str(pulled))
     digest = bw.json("down", NAME, "--dry-run", "--pulled", str(pulled))["manifest_digest"]
-    state = State(bw.home)
-    box = state.get(NAME)
-    if how != "not recorded":  # as a teardown records it: of which manifest, before it asks
-        state.step(
-            box.with_(status="tearing-down"), RELEASE, released.release_detail(digest, "no answer yet")
-        )
-    state.close()
-
-    async def release() -> list[str]:
-        async with reach.connect(box) as c:
-            await c.hello()
-            return list((await c.release(digest)).deleted)
-
-    assert sorted(asyncio.run(release())) == ["cell-a/one.safetensors", "cell-b/two.safetensors"]
+    deleted = lost_release(bw, digest, recorded=how != "not recorded")
+    assert sorted(deleted) == ["cell-a/one.safetensors", "cell-b/two.safetensors"]
     if how == "when-safe":
         r = bw(
             "down",
@@ -352,3 +342,25 @@ def test_a_release_whose_answer_was_lost_is_continued_through_the_gate(
             in rows["released by this teardown"]["detail"]
         )
     assert bw.json("status", NAME)["boxes"][0]["status"] == "down"
+
+
+def test_a_lost_release_then_a_dead_sidecar_has_a_way_out_that_works(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: after a lost release the sidecar died; `down` said to bring it
+    back, pull, verify and down, and that path ended at EMPTY (verify removed the marker; `up`
+    dropped the release from the record). It now says what works, and it does."""
+    p = bw.up(NAME)
+    save_weights(p["watch"] / "cell-a" / "one.safetensors", seed=1)
+    bw.wait_durable(NAME, 1)
+    pulled = tmp_path / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    digest = bw.json("down", NAME, "--dry-run", "--pulled", str(pulled))["manifest_digest"]
+    assert lost_release(bw, digest) == ["cell-a/one.safetensors"]
+    (pid,) = bw.sidecar_pids()
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(pid), what="the sidecar gone")
+    r = bw("down", NAME, "--confirm", NAME, "--pulled", str(pulled))
+    assert r.returncode == 3 and "without pulling or verifying again" in " ".join(r.stderr.split()), r.stderr
+    bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    doc = bw.json("down", NAME, "--confirm", NAME, "--pulled", str(pulled))
+    assert doc["allowed"] is True and doc["teardown"]["gone"] is True
