@@ -36,6 +36,7 @@ from controller.errors import (
     VersionMismatch,
 )
 from controller.lastlist import GoneBox, Keeper
+from controller.manifest import MANIFEST_NAME, read_manifest
 from controller.overlap import overlap_problem
 from controller.released import Released
 from controller.state import Box
@@ -218,6 +219,26 @@ async def gather_tree(
         )
     except ControllerError as e:  # the tree is gone or unreadable: nothing there proves anything
         reasons.append(Reason("NOT_PULLED", detail=str(e)))
+        return
+    run = _tree_run(pulled_dir)
+    if run and run != box.run_id:
+        # Another run's tree: its marker (an empty run's acknowledgement too) says nothing of this one.
+        reasons.append(
+            Reason(
+                "NOT_PULLED",
+                path=str(pulled_dir),
+                detail=f"the pulled tree is of run {run}; {box.name} runs {box.run_id}: pull this run "
+                f"(`boxwarden pull {box.name} --to DIR`), then verify it",
+            )
+        )
+
+
+def _tree_run(pulled_dir: Path) -> str:
+    """The run a pulled tree's MANIFEST.json says it holds ("" when it cannot say)."""
+    try:
+        return read_manifest(pulled_dir / MANIFEST_NAME).run_id
+    except ControllerError:
+        return ""
 
 
 def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bool) -> Verdict:

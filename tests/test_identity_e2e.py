@@ -458,3 +458,19 @@ def test_a_run_id_that_was_torn_down_is_never_taken_again(bw: Bw, tmp_path: Path
         bw.ok("down", "ri1", "--confirm", "ri1", "--pulled", str(tmp_path / f"p-{run}"))
     r = bw("up", "ri1", "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt", "--run-id", "r1")
     assert r.returncode == 2 and "run r1 of ri1 was torn down" in r.stderr, r.stderr
+
+
+def test_an_empty_runs_acknowledgement_is_no_other_runs(bw: Bw, tmp_path: Path) -> None:
+    """Second review of issue 25: `verify --allow-empty` of run 1's empty tree let run 2's empty
+    teardown through (`down --pulled` that tree): every empty manifest has one digest."""
+    args = ("--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
+    bw.ok("up", "ea1", *args)
+    first = tmp_path / "first"
+    bw.ok("pull", "ea1", "--to", str(first))
+    bw.ok("verify", str(first), "--allow-empty")
+    bw.ok("down", "ea1", "--confirm", "ea1", "--pulled", str(first))
+    bw.ok("up", "ea1", *args)
+    r = bw("down", "ea1", "--confirm", "ea1", "--pulled", str(first), "--json")
+    assert r.returncode == 3, r.stdout
+    (why,) = [x for x in json.loads(r.stdout)["reasons"] if x["code"] == "NOT_PULLED"]
+    assert "the pulled tree is of run" in why["detail"]

@@ -391,7 +391,7 @@ def test_up_on_a_dead_box_refuses_other_watched_dirs_or_durable(bw: Bw, tmp_path
 def test_up_refuses_the_run_id_of_a_torn_down_run(bw: Bw) -> None:
     before = record(bw, status="down", run_id="sweep-7")
     r = up(bw, "--watch", "ckpt", "--run-id", "sweep-7")
-    refused(r, "run sweep-7 was torn down; pick a new run id")
+    refused(r, "run sweep-7 of b1 was torn down; pick a new run id")
     assert stored(bw) == json.loads(json.dumps(before.to_json()))
     assert not bw.sidecar_pids()
 
