@@ -68,6 +68,8 @@ def test_boxwardens_followers_of_another_box_started_in_the_workdir_never_hold_d
     bw.ok("up", "y", "--profile", "local", "--workdir", str(other), "--watch", "ckpt")
     (other / "ckpt" / "cell-a").mkdir(parents=True)
     os.symlink("/etc/hostname", other / "ckpt" / "cell-a" / "link.pt")  # never claimed: both wait on
+    # A checkpoint still being written: the drain waits on it (an unclaimable entry it does not).
+    writing = (other / "ckpt" / "cell-a" / "w.bin").open("wb")
     commands = [
         ["run", "y", "--cell", "c1", "--cell", "c2", "--wait", "--", "sleep", "60"],
         ["drain", "y", "--wait", "--timeout", "120"],
@@ -92,6 +94,7 @@ def test_boxwardens_followers_of_another_box_started_in_the_workdir_never_hold_d
         for proc in procs:
             proc.kill()
             proc.wait()
+        writing.close()
 
 
 def in_a_shell(
