@@ -16,6 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -105,25 +106,7 @@ from controller.state import Box, State, exclusive
 )
 @durable_credentials_option
 @json_flag
-def command(
-    name: str | None,
-    every: bool,
-    dry_run: bool,
-    confirm: str | None,
-    confirm_count: int | None,
-    pulled: Path | None,
-    meter_stopped: bool,
-    resend_stop: bool,
-    accept_server_checksum: bool,
-    box_gone: bool,
-    accept_lost: bool,
-    durable_credentials: Path | None,
-    when_safe: bool,
-    pull_to: Path | None,
-    poll: float,
-    allow_empty: bool,
-    as_json: bool,
-) -> None:
+def command(name: str | None, every: bool, **options: Any) -> None:
     """Tear box NAME down (or every box that passes the gate: --all), only if every artifact is durable,
     pulled and verified, and you named the box (or how many)."""
     # SIGTERM and SIGHUP end a `down` as Ctrl-C does: the teardown records what it did (its audit
@@ -131,25 +114,7 @@ def command(
     signal.signal(signal.SIGTERM, _terminated)
     signal.signal(signal.SIGHUP, _terminated)  # its terminal closed
     try:
-        _command(
-            name,
-            every,
-            dry_run,
-            confirm,
-            confirm_count,
-            pulled,
-            meter_stopped,
-            resend_stop,
-            accept_server_checksum,
-            box_gone,
-            accept_lost,
-            durable_credentials,
-            when_safe,
-            pull_to,
-            poll,
-            allow_empty,
-            as_json,
-        )
+        _command(name, every, **options)
     finally:
         # Whatever the outcome (torn down, refused, a dry run, failed, interrupted): no login to a
         # box outlives the `down` that judged it.
