@@ -11,8 +11,9 @@ down).
 
 The host is asked over a connection of its own (never a ControlMaster that may outlive the box).
 Only ssh's own word that it could not connect to the box's address at all counts as unreachable:
-`connect to host <its HostName> port <its Port>: refused | timed out | no route | unreachable`, or
-no such name; anything else means something answered there: a login that runs, a refused login, an
+`connect to host <its HostName> port <its Port>: refused | timed out | no route`, or a name that has
+no address (never this machine's own network or resolver failing: no route out, a resolver that
+does not answer); anything else means something answered there: a login that runs, a refused login, an
 sshd that drops the connection or never sends its banner (a box under load), another host key
 (another machine there, the box maybe elsewhere). A box reached through a jump host or a proxy
 command is never proven gone this way: a hop that cannot be reached says nothing of the box.
@@ -29,9 +30,13 @@ from controller.ssh import argv as sshargv
 from controller.state import Box
 
 HOST_TIMEOUT_S = 40.0  # past ssh's own ConnectTimeout: a login that hangs after connecting answered
-CONNECT_FAILED = ("Connection refused", "Connection timed out", "Operation timed out", "No route to host",
-                  "Network is unreachable")  # fmt: skip
-"""What ssh says after `connect to host H port P: ` when it could not connect to that address at all."""
+CONNECT_FAILED = ("Connection refused", "Connection timed out", "Operation timed out", "No route to host")
+"""What ssh says after `connect to host H port P: ` when it could not connect to that address at all.
+Not "Network is unreachable": that is this machine with no route out (its own network down)."""
+NO_SUCH_NAME = ("Name or service not known", "No address associated with hostname",
+                "nodename nor servname provided")  # fmt: skip
+"""What ssh says after `Could not resolve hostname H: ` when the name is known to have no address;
+never "Temporary failure in name resolution" (this machine's resolver out of reach)."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,10 @@ async def prove(box: Box, profile: Profile) -> Absence:
     if word == meterstop.LISTED:
         return Absence(
             False,
-            f"the provider still lists {box.instance_id or box.name} ({said}): it is not gone, only out of "
-            "reach or stopped. If it was preempted or destroyed, wait until the provider no longer lists "
-            f"it (or destroy it there); if it is only out of reach, `boxwarden up {box.name}` once it "
-            "answers",
+            f"the provider's poll does not say {box.instance_id or box.name} is gone ({said}): it may be "
+            "only out of reach or stopped. If it was preempted or destroyed, wait until the provider no "
+            f"longer lists it (or destroy it there); if it is only out of reach, `boxwarden up {box.name}` "
+            "once it answers",
         )
     if not box.host:
         return _up_again(box, f"the box is this machine, which answers; {said}")
@@ -93,7 +98,8 @@ async def host_answers(box: Box) -> tuple[bool, str]:
         return True, "a login ran"
     host, port = where.get("hostname", box.host), where.get("port", "22")
     failed = any(f"connect to host {host} port {port}: {f}" in said for f in CONNECT_FAILED)
-    if code == 255 and (failed or f"Could not resolve hostname {host}:" in said):
+    no_name = any(f"Could not resolve hostname {box.host}: {n}" in said for n in NO_SUCH_NAME)
+    if code == 255 and (failed or no_name):
         return False, said
     return True, said or f"ssh exit {code}"
 

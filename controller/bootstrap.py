@@ -281,15 +281,25 @@ async def _started(
 
 
 async def wait_gone(
-    box: Box, conn: Connector, pid: int, *, deadline_s: float, forget_credentials: bool = False
+    box: Box,
+    conn: Connector,
+    pid: int,
+    *,
+    deadline_s: float,
+    forget_credentials: bool = False,
+    torn_down: bool = False,
 ) -> bool:
     """Wait until the sidecar's socket no longer answers AND it is gone on the box (its state dir's
     lock free, its pid dead). Asked on the box: its pids are not this machine's. The box is asked
     only once the socket is silent, less often the longer it takes. `forget_credentials`: once it is
-    gone, the durable store's credentials file is removed from the box (the teardown's last use)."""
+    gone, the durable store's credentials file is removed from the box (the teardown's last use).
+    `torn_down`: the box's run is marked over on the box (sidecar.launch TORN_DOWN): no controller
+    adopts it again, no meter stop of its instance waits for it."""
     req: dict[str, Any] = {"state_dir": box.state_dir, "pid": pid}
     if forget_credentials and box.durable_credentials:
         req["forget"] = f"{box.state_dir}/{CREDENTIALS_NAME}"
+    if torn_down:
+        req["torn_down"] = box.run_id
     deadline = time.monotonic() + deadline_s
     pause = 0.05
     while time.monotonic() < deadline:

@@ -507,7 +507,14 @@ async def _last_config(conn: Connector, where: Where, spec: UpSpec) -> pb.Sideca
             f"--adopt: no sidecar answers for {spec.name} on {spec.host or 'this machine'} and none ran "
             f"there ({where.state_root} holds no config): nothing to adopt; `up` without --adopt starts one"
         )
-    return json_format.ParseDict(answer["config"], pb.SidecarConfig(), ignore_unknown_fields=True)
+    cfg = json_format.ParseDict(answer["config"], pb.SidecarConfig(), ignore_unknown_fields=True)
+    if cfg.run_id and answer.get("torn_down") == cfg.run_id:
+        raise UsageError(
+            f"--adopt: run {cfg.run_id} of {spec.name} on {spec.host or 'this machine'} was torn down (its "
+            "teardown marked it over on the box): there is nothing to adopt; `up` without --adopt starts "
+            "a new run"
+        )
+    return cfg
 
 
 async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, default_url: str) -> UpOutcome:
@@ -607,8 +614,13 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         credentials=spec.credentials,
         reconfigure=reconfigure,
         ours=spec.ours,
-        # The runs this controller knows of the box: its record's, and the one `--adopt` takes over.
-        known_runs=[*([old.run_id] if old is not None else []), *([box.run_id] if spec.adopt else [])],
+        # The runs this controller knows of the box: its record's, those it tore down, and the one
+        # `--adopt` takes over.
+        known_runs=[
+            *([old.run_id] if old is not None else []),
+            *sorted(state.torn_down_runs(name)),
+            *([box.run_id] if spec.adopt else []),
+        ],
     )
     findings += [checks.Finding.from_json(f) for f in res.findings]
     first_time = not box.notices_shown

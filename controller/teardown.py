@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller import meterstop, released
+from controller import meterstop, released, remote
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.connector import Connector, launch
@@ -177,7 +177,7 @@ def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: 
         head = f"the meter stop of {box.name} was sent at {when(sent.at_ns)} but never proven"
     else:
         head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
-    poll = f"; the poll says it is still there ({poll_said})" if poll_said else ""
+    poll = f"; the provider's poll does not say it is gone ({poll_said})" if poll_said else ""
     then = "pull, verify and"
     if released.release_asked(u.steps.get(RELEASE)) is not None and SIDECAR_GONE not in u.steps:
         # Its release may have deleted the box's claims: the tree verified for it is judged as it is.
@@ -284,7 +284,9 @@ async def teardown(
             )
         state.step(tearing, SHUTDOWN, f"pid {hello.pid}")
         await client.shutdown()
-        result.sidecar_gone = await wait_gone(box, conn, hello.pid, deadline_s=20.0, forget_credentials=True)
+        result.sidecar_gone = await wait_gone(
+            box, conn, hello.pid, deadline_s=20.0, forget_credentials=True, torn_down=True
+        )
         if not result.sidecar_gone:
             where = f" on {box.host}" if box.host else ""
             raise ControllerError(
@@ -296,7 +298,7 @@ async def teardown(
         state.step(tearing, SIDECAR_GONE, f"pid {hello.pid}")
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
-        on_box = await sidecars_beside(conn, box)
+        on_box = await sidecars_beside(conn, box, profile)
         await meter_step(state, box, profile, result, manual_done, retry=retry, send=True, also=on_box)
         if await sidecar_answers(box):
             # Something started a sidecar while the meter stopped (`up` waits for this `down`; a
@@ -373,7 +375,7 @@ async def meter_step(
     sidecar may still run on the same instance, nothing is sent (that box's own `down` stops it).
     `also`: boxes whose sidecars the box itself says run there (another controller's too)."""
     known = sharing_instance(state, box)
-    sharing = [*known, *(f"{n} (its sidecar runs on the box)" for n in also if n not in known)]
+    sharing = [*known, *(n for n in also if n.partition(" ")[0] not in known)]
     if sharing:
         ms = profile.meter_stop
         result.meter = MeterResult(
@@ -404,34 +406,37 @@ async def meter_step(
 
 
 def sharing_instance(state: State, box: Box) -> list[str]:
-    """The other boxes whose sidecar may still run on `box`'s instance (the same instance id under
-    the same meter stop: the same profile, or a copy of its text): every box not down, but one whose
-    teardown saw its sidecar gone. Stopping the instance's meter would stop theirs."""
+    """The other boxes whose sidecar may still run on `box`'s instance (the same instance id, under
+    any profile: a copy of it, or another spelling of the same stop, stops the same instance):
+    every box not down, but one whose teardown saw its sidecar gone. Stopping the instance's meter
+    would stop theirs."""
     if not box.instance_id:
         return []
     out = []
     for b in state.boxes():
         if b.name == box.name or b.status == "down" or b.instance_id != box.instance_id:
             continue
-        same_stop = (b.profile, b.profile_file) == (box.profile, box.profile_file) or (
-            bool(b.profile_digest) and b.profile_digest == box.profile_digest
-        )
-        if same_stop and SIDECAR_GONE not in state.teardown_steps(b.name):
+        if SIDECAR_GONE not in state.teardown_steps(b.name):
             out.append(b.name)
     return sorted(out)
 
 
-async def sidecars_beside(conn: Connector, box: Box) -> list[str]:
-    """The boxes whose sidecars run on a remote box's host beside this one's, as the host says (any
-    controller's: this one knows only its own records). [] for a box on this machine (its other
-    boxes are this controller's, in its state) and where the host cannot say."""
+async def sidecars_beside(conn: Connector, box: Box, profile: Profile) -> list[str]:
+    """The boxes that may still be at work on a remote box's host beside this one, as the host says
+    (any controller's, in any of the user's state roots: ~/.boxwarden and the profile's durable
+    tiers), each with why. [] for a box on this machine (its other boxes are this controller's, in
+    its state). Fails closed: a host that cannot say is an answer that holds the meter stop."""
     if not box.host:
         return []
+    roots = [remote.STATE_ROOT, *(f"{t.path.rstrip('/')}/.boxwarden" for t in profile.storage)]
     try:
-        answer = await launch(conn, "siblings", {"state_dir": box.state_dir}, timeout_s=30)
-    except ControllerError:
-        return []
-    return [str(name) for name in answer.get("running", [])]
+        answer = await launch(conn, "siblings", {"state_dir": box.state_dir, "roots": roots}, timeout_s=30)
+    except ControllerError as e:
+        return [f"(the host could not say which boxes run beside {box.name}: {e})"]
+    beside = answer.get("beside")
+    if beside is None:  # an older box-side launch: names of running sidecars only
+        return [f"{name} (its sidecar runs on the box)" for name in answer.get("running", [])]
+    return [str(b) for b in beside]
 
 
 async def forget_credentials(box: Box) -> str:

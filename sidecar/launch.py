@@ -489,6 +489,8 @@ def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str]) -> None:
     run = str(last.get("runId") or "")
     if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return
+    if torn_down(cfg_path.parent / "sidecar") == run:
+        return  # over: its teardown said so on the box (any controller's)
     raise Refused(
         "mismatch",
         f"the state dir {cfg['stateDir']} holds run {run} of box {last.get('boxName')!r} (durable "
@@ -502,25 +504,61 @@ def config(req: Request) -> Request:
     """The config the box's last sidecar was started with ({"config": null}: none), and whether a
     sidecar holds the state dir now."""
     cfg_path = Path(req["config_path"])
-    return {"config": _last_config(cfg_path), "running": holder(cfg_path.parent / "sidecar")}
+    state_dir = cfg_path.parent / "sidecar"
+    return {"config": _last_config(cfg_path), "running": holder(state_dir), "torn_down": torn_down(state_dir)}
+
+
+TORN_DOWN = "torn-down"
+"""In a state dir: the run id whose teardown saw its sidecar gone (written by the `gone` verb)."""
+
+
+def torn_down(state_dir: Path) -> str:
+    """The run whose teardown ended the state dir's last sidecar ("": none said so)."""
+    try:
+        return (state_dir / TORN_DOWN).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def _unfinished_box(sidecar_dir: Path) -> str:
+    """Why the box of this state dir may still be at work on the instance ("": its run is over):
+    its sidecar runs, or ended without a shutdown (its pid file left: killed, crashed) in a run no
+    teardown closed (its jobs may still run, its checkpoints never pulled)."""
+    pid = holder(sidecar_dir)
+    if pid is not None and (pid == 0 or _pid_alive(pid)):
+        return "its sidecar runs"
+    cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
+    if str(cfg.get("runId") or "") and torn_down(sidecar_dir) == str(cfg.get("runId")):
+        return ""
+    if (sidecar_dir / "sidecar.pid").exists():
+        return "its sidecar ended without a shutdown and no teardown closed its run"
+    return ""
 
 
 def siblings(req: Request) -> Request:
-    """The names of the other boxes beside this state dir (<root>/boxes/<name>/sidecar) whose sidecar
-    holds its lock now: a meter stop of this instance would stop them too."""
+    """The other boxes of this user that may still be at work on this instance, each with why: a
+    meter stop would stop them too. Looked for in every state root (this box's, and `roots`:
+    ~/.boxwarden and the profile's durable tiers). A root that cannot be read is an answer of its
+    own. (Another Unix user's boxes on the same instance are not seen: their roots are private.)"""
     state_dir = Path(req["state_dir"])
-    boxes_dir = state_dir.parent.parent
-    if boxes_dir.name != "boxes":
-        return {"running": []}
-    running = []
-    for other in sorted(boxes_dir.iterdir()):
-        sidecar_dir = other / "sidecar"
-        if sidecar_dir == state_dir or not sidecar_dir.is_dir():
+    own = state_dir.parent.resolve()
+    roots = {own.parent} if own.parent.name == "boxes" else set()
+    roots |= {Path(os.path.expanduser(str(r))).resolve() / "boxes" for r in req.get("roots", [])}
+    found: dict[Path, str] = {}
+    for boxes_dir in sorted(roots):
+        try:
+            others = sorted(boxes_dir.iterdir()) if boxes_dir.is_dir() else []
+        except OSError as e:
+            found[boxes_dir] = f"{boxes_dir} (cannot be read: {e.strerror})"
             continue
-        pid = holder(sidecar_dir)
-        if pid is not None and (pid == 0 or _pid_alive(pid)):  # (a lock on a shared volume: this host's?)
-            running.append(other.name)
-    return {"running": running}
+        for other in others:
+            sidecar_dir = other / "sidecar"
+            if other.resolve() == own or not sidecar_dir.is_dir():
+                continue
+            why = _unfinished_box(sidecar_dir)
+            if why:
+                found[other] = f"{other.name} ({why}: {other})"
+    return {"running": sorted({p.name for p in found}), "beside": sorted(found.values())}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -559,6 +597,9 @@ def gone(req: Request) -> Request:
     forget = Path(req.get("forget") or "")
     if is_gone and forget.parent == state_dir and forget.name:
         _forget(forget)  # the teardown's last look: the store's credentials leave with the sidecar
+    if is_gone and req.get("torn_down"):
+        # The run is over, for every controller: none adopts it again, no meter waits for it.
+        _write_private(state_dir / TORN_DOWN, f"{req['torn_down']}\n".encode())
     return {"gone": is_gone, "holder": held}
 
 

@@ -389,22 +389,72 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
     tmp_path: Path,
 ) -> None:
     """Second review of issue 25: another controller's box on the same instance is in none of this
-    controller's records; the box itself says whose sidecars run there before a meter stop."""
+    controller's records; the box itself says whose sidecars run there before a meter stop. Third
+    review: a box whose state lives in another root (one on the durable tier, one in ~/.boxwarden)
+    was not seen, nor one whose sidecar had died with its run never torn down."""
     a = remote.bw
     box = remote.boxes("h1")
-    up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt")
+    remote.profile.write_text(remote.profile.read_text().replace('path = "~"', 'path = "~/persist"'))
+    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist")]).returncode == 0
+    up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt", "--state-on-durable")
     b = second_controller(remote, tmp_path)
     try:
-        up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        bb = up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        write_as_box(box, "bb/ckpt/b.bin", "B's weights, never pulled")
+        b.wait_durable("bb", 1)
+        os.kill(bb["pid"], signal.SIGKILL)  # bb's sidecar dies; its run is not over
+        wait_until(lambda: not pid_alive(bb["pid"]), what="bb's sidecar to end")
         write_as_box(box, "ba/ckpt/a.bin", "A's weights")
         a.wait_durable("ba", 1)
         a.ok("pull", "ba", "--to", str(a.cwd / "pa"))
         a.ok("verify", str(a.cwd / "pa"))
         meter = a.json("down", "ba", "--confirm", "ba")["teardown"]["meter"]
-        assert meter["sent"] is False and meter["shared_with"] == ["bb (its sidecar runs on the box)"]
+        (held,) = meter["shared_with"]
+        assert meter["sent"] is False and held.startswith("bb (its sidecar ended without a shutdown"), meter
         assert not (tmp_path / "provider.json").exists()  # the provider was never called
+        # bb back, pulled and down: ba's run is over (its teardown said so on the box), so bb's
+        # down is the last on the instance and stops it.
+        up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        b.ok("pull", "bb", "--to", str(b.cwd / "pb"))
+        b.ok("verify", str(b.cwd / "pb"))
+        meter = b.json("down", "bb", "--confirm", "bb")["teardown"]["meter"]
+        assert meter["shared_with"] == [] and meter["sent"] is True, meter
     finally:
         _exit_master(b, box)
+
+
+def test_a_torn_down_run_is_over_for_every_controller(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Third review of issue 25: another controller's `up --adopt` revived a run this one had torn
+    down (and pushed over its proven copies); and after runs on two hosts, this controller's own
+    `up` on the first host again was refused for a run it had started itself, with no way out."""
+    a = remote.bw
+    h1, h2 = remote.boxes("h1"), remote.boxes("h2")
+
+    def run_and_down(box: Box, run: str) -> None:
+        a.ok("up", "gpu", "--profile-file", str(remote.profile), "--host", box.alias, "--instance-id",
+             f"i-{run}", "--watch", "ckpt", "--run-id", run)  # fmt: skip
+        write_as_box(box, f"ckpt/{run}.bin", run)
+        a.wait_durable("gpu", 1, pending_ok=True)
+        a.ok("pull", "gpu", "--to", str(a.cwd / f"p-{run}"))
+        a.ok("verify", str(a.cwd / f"p-{run}"))
+        a.ok("down", "gpu", "--confirm", "gpu", "--pulled", str(a.cwd / f"p-{run}"))
+
+    run_and_down(h1, "R1")
+    b = second_controller(remote, tmp_path)
+    try:
+        r = b("up", "gpu", "--profile-file", str(remote.profile), "--host", "h1", "--instance-id", "i-R1",
+              "--adopt", "--json", timeout=300)  # fmt: skip
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 2 and "run R1 of gpu on h1 was torn down" in said, r.stderr
+    finally:
+        _exit_master(b, h1)
+    run_and_down(h2, "R2")
+    a.ok("up", "gpu", "--profile-file", str(remote.profile), "--host", "h1", "--instance-id", "i-R3",
+         "--watch", "ckpt", "--run-id", "R3")  # fmt: skip
+    assert a.record("gpu")["run_id"] == "R3"
 
 
 def test_a_new_runs_journal_holds_none_of_the_last_runs_events(bw: Bw, tmp_path: Path) -> None:

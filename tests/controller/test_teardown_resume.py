@@ -360,10 +360,11 @@ def test_the_meter_waits_for_every_box_whose_sidecar_may_still_run_on_the_instan
 ) -> None:
     """Second review of issue 25: a box whose `down` was interrupted (its sidecar still up) did not
     count as sharing the instance, nor did one brought up with a copy of the profile file: the
-    first box's `down` sent the instance's meter stop under them."""
+    first box's `down` sent the instance's meter stop under them. (Third review: nor a copy that
+    differs in a comment: the instance id alone says whose meter it is.)"""
     copy = tmp_path / "copies" / "slowcloud.toml"
     copy.parent.mkdir()
-    copy.write_text(profile(tmp_path).read_text())
+    copy.write_text("# my own copy\n" + profile(tmp_path).read_text())  # a copy, not the same text
     for name, prof in (("ba", profile(tmp_path)), ("bb", profile(tmp_path)), ("bc", copy)):
         bw.ok("up", name, "--profile-file", str(prof), "--instance-id", INSTANCE, "--workdir", str(bw.cwd),
               "--watch", f"ckpt-{name}")  # fmt: skip
