@@ -207,6 +207,7 @@ async def up(
     answer = await launch(conn, "start", req)
     findings = list(answer.get("findings", []))
     restarted_for: list[str] = []
+    running: pb.HelloResponse | None = None
     if "running" in answer:
         running = await answering(conn, timeout_s=5.0)
         if running is None:
@@ -237,10 +238,13 @@ async def up(
                 "Shutdown; "
                 f"see {Path(box.state_dir).parent}/sidecar.log on the box"
             )
-        answer = await launch(conn, "start", req)
+        try:
+            answer = await launch(conn, "start", req)
+        except ControllerError as e:
+            raise _restart_failed(box, running, restarted_for, credentials, e) from e
     try:
         res = await _started(box, conn, answer, findings, nonce)
-    except BaseException:
+    except BaseException as e:
         # An `up` that fails (or is interrupted) leaves no sidecar of its own running: the box's
         # record, and what an earlier teardown recorded, still describe it. Nor the credentials it
         # wrote: a box that did not come up has no record whose `down` would take them away.
@@ -248,8 +252,26 @@ async def up(
         if credentials is not None:
             stop["forget"] = f"{box.state_dir}/{CREDENTIALS_NAME}"
         await launch(conn, "stop", stop, timeout_s=STOP_DEADLINE_S + 15)
+        if restarted_for and running is not None and isinstance(e, ControllerError):
+            raise _restart_failed(box, running, restarted_for, credentials, e) from e
         raise
     return dataclasses.replace(res, restarted_for=restarted_for)
+
+
+def _restart_failed(
+    box: Box, old: pb.HelloResponse, why: Sequence[str], credentials: str | None, e: ControllerError
+) -> ControllerError:
+    """An ordered restart whose new start failed: the old sidecar is stopped, and the user is told."""
+    keys = (
+        " The store's credentials left the box with it: give --durable-credentials again."
+        if credentials is not None or box.durable_credentials
+        else ""
+    )
+    return ControllerError(
+        f"the running sidecar of {box.name} (pid {old.pid}) was stopped to restart it ({'; '.join(why)}), "
+        f"and the new one did not start: {e} Nothing watches the box now (its jobs go on): fix the cause "
+        f"and run `boxwarden up {box.name}` again.{keys}"
+    )
 
 
 async def _started(

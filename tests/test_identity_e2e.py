@@ -524,3 +524,38 @@ def test_an_empty_runs_acknowledgement_is_no_other_runs(bw: Bw, tmp_path: Path) 
     assert r.returncode == 3, r.stdout
     (why,) = [x for x in json.loads(r.stdout)["reasons"] if x["code"] == "NOT_PULLED"]
     assert "the pulled tree is of run" in why["detail"]
+
+
+def test_a_rotation_whose_new_start_fails_says_the_box_is_unwatched(
+    bw: Bw,
+    s3: S3Server,
+    tmp_path: Path,
+) -> None:
+    """Third review of issue 25: `up --durable-credentials NEW` stopped the running sidecar, the new
+    one could not start (its metrics port taken), and the error said nothing of the stopped one nor
+    of the credentials gone with it."""
+    old = write_credentials(tmp_path / "old")
+    args = (
+        "--profile",
+        "local",
+        "--workdir",
+        str(bw.cwd),
+        "--watch",
+        "ckpt",
+        "--durable",
+        s3.url(s3.bucket(), "ck"),
+    )
+    bw.ok("up", "rx1", *args, "--durable-credentials", str(old))
+    pid = bw.record("rx1")["sidecar_pid"]
+    new = tmp_path / "new"
+    new.write_text(old.read_text().replace("[default]", "[default]\n# rotated"))
+    new.chmod(0o600)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = str(busy.getsockname()[1])
+        r = bw("up", "rx1", *args, "--durable-credentials", str(new), "--metrics-port", port, timeout=120)
+    said = " ".join(r.stderr.split())
+    assert r.returncode != 0 and not pid_alive(pid), r.stderr
+    assert f"the running sidecar of rx1 (pid {pid}) was stopped to restart it" in said, said
+    assert "Nothing watches the box now" in said and "give --durable-credentials again" in said, said
