@@ -60,5 +60,6 @@ def blocking(state: State, name: str, otherwise: str) -> str:
     return (
         f"{name} is armed: `boxwarden down {name} --confirm {name} --when-safe` (pid {pid}, since {since}) "
         "follows it and tears it down once the gate passes. Let it, or stop it first (Ctrl-C where it "
-        f"runs, or `kill -INT {pid}`)"
+        f"runs, or `kill -INT {pid}`; a follower whose sidecar died waits for ever: stop it, run `up`, "
+        "and arm it again)"
     )

@@ -32,6 +32,15 @@ POLL_S = 5.0
 ASK_S = 10.0  # how long one look at the box may take
 
 
+def silent(box: Box, said: str) -> str:
+    """A wait for a sidecar that does not answer: only `up` brings a dead one back, and `up` waits
+    for this follower, so it says how to get out."""
+    return (
+        f"an answer from its sidecar ({said}; if it died, stop this follower, run `boxwarden up "
+        f"{box.name}` to start it again, then arm it again)"
+    )
+
+
 async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> list[str]:
     """What the box still runs (jobs, queued cells), or that it does not answer; [] when idle.
     Refuses (UsageError) a pull destination that overlaps what it would prove: that never passes.
@@ -42,7 +51,7 @@ async def waiting_for(box: Box, pull_to: Path, state: State | None = None) -> li
             health = await c.health_once()
             found = await c.list_queues(brief=True)
     except (ControllerError, TimeoutError) as e:
-        return [f"an answer from its sidecar ({str(e) or f'none within {ASK_S:.0f} s'})"]
+        return [silent(box, str(e) or f"none within {ASK_S:.0f} s")]
     if state is not None:
         cellfacts.learn(state, box, found)
     problem = overlap_problem(pull_to, hello) or destination_problem(pull_to)
@@ -89,11 +98,19 @@ async def follow(
             if box.status == "down":
                 raise StateError(f"{name} is down now: nothing left to tear down when safe")
             earlier = teardown.unfinished(state, box)
-            if earlier is not None and not await teardown.sidecar_answers(box):
-                # An interrupted teardown and nothing watches the box: no gate can run, only the
-                # meter is left to settle, as `down NAME --confirm NAME` settles it.
+            quiet = await teardown.silence(box) if earlier is not None else ""
+            if earlier is not None and quiet and earlier.sidecar_seen_gone:
+                # An interrupted teardown saw its sidecar gone: no gate can run, only the meter is
+                # left to settle, as `down NAME --confirm NAME` settles it.
                 report(f"continuing its teardown: {earlier.describe()}")
                 return await teardown.retry_meter(state, box, boxes.box_profile(box), manual_done)
+            if earlier is not None and quiet:  # silent for now (paused, restarting, dead): wait
+                why = [silent(box, quiet)]
+                if why != said:
+                    said = why
+                    report("waiting for " + "; ".join(why))
+                await asyncio.sleep(poll_s)
+                continue
             if earlier is not None and not told:  # its sidecar answers: through the whole gate again
                 told = True
                 report(f"its teardown did not finish ({earlier.describe()}): continued through the gate")

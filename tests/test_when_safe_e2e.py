@@ -364,3 +364,33 @@ def test_a_lost_release_then_a_dead_sidecar_has_a_way_out_that_works(bw: Bw, tmp
     bw.ok("up", NAME, "--profile", "local", "--workdir", str(bw.cwd), "--watch", "ckpt")
     doc = bw.json("down", NAME, "--confirm", NAME, "--pulled", str(pulled))
     assert doc["allowed"] is True and doc["teardown"]["gone"] is True
+
+
+def test_a_follower_waits_through_a_silence_in_an_unfinished_teardown(bw: Bw, tmp_path: Path) -> None:
+    """Third review of issue 25: a release whose answer was lost, then the sidecar silent for a while
+    (a box under load; SIGSTOP here): the follower went straight to the meter's settling, which
+    refused (nothing saw the sidecar gone), and exited 3 while the box would pass once it answered."""
+    p = bw.up(NAME)
+    save_weights(p["watch"] / "cell-a" / "a.safetensors", seed=1)
+    bw.wait_durable(NAME, 1)
+    pulled = tmp_path / "pulled"
+    bw.ok("pull", NAME, "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    digest = bw.json("down", NAME, "--dry-run")["manifest_digest"]
+    assert lost_release(bw, digest) == ["cell-a/a.safetensors"]
+    (pid,) = bw.sidecar_pids()
+    log = tmp_path / "follower.log"
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        proc = follower(bw, pulled, log)
+        wait_until(lambda: b"waiting for an answer from its sidecar" in log.read_bytes(), what="the wait")
+        assert proc.poll() is None, log.read_text()
+        assert f"boxwarden up {NAME}" in " ".join(log.read_text().split())  # the way out, if it died
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    try:
+        out = ended(proc)
+        assert proc.returncode == 0, log.read_text()
+    finally:
+        stop(proc)
+    assert json.loads(out)["teardown"]["gone"] is True
