@@ -505,7 +505,13 @@ async def _last_config(conn: Connector, where: Where, spec: UpSpec) -> pb.Sideca
     if not answer.get("config"):
         raise UsageError(
             f"--adopt: no sidecar answers for {spec.name} on {spec.host or 'this machine'} and none ran "
-            f"there ({where.state_root} holds no config): nothing to adopt; `up` without --adopt starts one"
+            f"there ({where.state_root} holds no config)"
+            + (
+                ""
+                if where.state_on_durable or not spec.host
+                else "; if it keeps its state on the durable tier, add --state-on-durable"
+            )
+            + ": nothing to adopt here; `up` without --adopt starts one"
         )
     cfg = json_format.ParseDict(answer["config"], pb.SidecarConfig(), ignore_unknown_fields=True)
     if cfg.run_id and answer.get("torn_down") == cfg.run_id:

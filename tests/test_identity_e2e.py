@@ -449,6 +449,10 @@ def test_a_torn_down_run_is_over_for_every_controller(
               "--adopt", "--json", timeout=300)  # fmt: skip
         said = " ".join(r.stderr.split())
         assert r.returncode == 2 and "run R1 of gpu on h1 was torn down" in said, r.stderr
+        # Nothing in this root: it may be in the other one (it said "none ran there" of a live one).
+        r = b("up", "gpu9", "--profile-file", str(remote.profile), "--host", "h1", "--instance-id", "i-9",
+              "--adopt", timeout=300)  # fmt: skip
+        assert r.returncode == 2 and "add --state-on-durable" in " ".join(r.stderr.split()), r.stderr
     finally:
         _exit_master(b, h1)
     run_and_down(h2, "R2")
