@@ -104,13 +104,23 @@ async def answering(conn: Connector, timeout_s: float = 5.0) -> pb.HelloResponse
 
 
 def start_request(
-    box: Box, checks: dict[str, Any], *, start: bool = True, nonce: str = "", known_runs: Sequence[str] = ()
+    box: Box,
+    checks: dict[str, Any],
+    *,
+    start: bool = True,
+    nonce: str = "",
+    known_runs: Sequence[str] = (),
+    closed_runs: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """`known_runs`: runs of the box this controller knows (its record's), besides `box.run_id`: a
-    dead sidecar's state dir of any other run is not taken over (sidecar.launch)."""
+    """`known_runs`: runs of the box this controller knows (its record's), besides `box.run_id`;
+    `closed_runs`: those it tore down. A dead sidecar's state dir of any other run, or of a closed
+    run another controller opened again, is not taken over (sidecar.launch)."""
     root = str(Path(box.state_dir).parent)
     return {
         "known_runs": list(known_runs),
+        "closed_runs": list(closed_runs),
+        "instance_id": box.instance_id,
+        "register_root": box.state_on_durable,
         **checks,
         "config": json_format.MessageToDict(config_for(box)),
         "config_path": f"{root}/sidecar.json",
@@ -189,6 +199,7 @@ async def up(
     reconfigure: bool = False,
     ours: str | None = None,
     known_runs: Sequence[str] = (),
+    closed_runs: Sequence[str] = (),
 ) -> UpResult:
     """`checks`: what the box-side start checks first (the durable dir, whether it is this box's own
     default, the profile's checks and inode floor). `credentials`: the durable store's, written
@@ -201,7 +212,7 @@ async def up(
     (a new version, new credentials or health settings: its run and ledger stay) or, where its claims
     would change meaning, refused with every difference."""
     nonce = new_nonce()
-    req = start_request(box, checks, nonce=nonce, known_runs=known_runs)
+    req = start_request(box, checks, nonce=nonce, known_runs=known_runs, closed_runs=closed_runs)
     if credentials is not None:
         req["durable_credentials"] = credentials
     answer = await launch(conn, "start", req)

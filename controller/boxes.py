@@ -620,13 +620,13 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         credentials=spec.credentials,
         reconfigure=reconfigure,
         ours=spec.ours,
-        # The runs this controller knows of the box: its record's, those it tore down, and the one
-        # `--adopt` takes over.
+        # The runs this controller knows of the box: its record's (not down), the one `--adopt`
+        # takes over; and those it tore down (taken only where no other start opened them again).
         known_runs=[
-            *([old.run_id] if old is not None else []),
-            *sorted(state.torn_down_runs(name)),
+            *([old.run_id] if old is not None and old.status != "down" else []),
             *([box.run_id] if spec.adopt else []),
         ],
+        closed_runs=sorted(state.torn_down_runs(name)),
     )
     findings += [checks.Finding.from_json(f) for f in res.findings]
     first_time = not box.notices_shown

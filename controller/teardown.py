@@ -423,20 +423,21 @@ def sharing_instance(state: State, box: Box) -> list[str]:
 
 async def sidecars_beside(conn: Connector, box: Box, profile: Profile) -> list[str]:
     """The boxes that may still be at work on a remote box's host beside this one, as the host says
-    (any controller's, in any of the user's state roots: ~/.boxwarden and the profile's durable
-    tiers), each with why. [] for a box on this machine (its other boxes are this controller's, in
-    its state). Fails closed: a host that cannot say is an answer that holds the meter stop."""
+    (any controller's, in any of the user's state roots), each with why. [] for a box on this machine
+    (its other boxes are this controller's, in its state). Fails closed: a host that cannot say is
+    an answer that holds the meter stop."""
     if not box.host:
         return []
     roots = [remote.STATE_ROOT, *(f"{t.path.rstrip('/')}/.boxwarden" for t in profile.storage)]
+    req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id}
     try:
-        answer = await launch(conn, "siblings", {"state_dir": box.state_dir, "roots": roots}, timeout_s=30)
+        answer = await launch(conn, "siblings", req, timeout_s=30)
     except ControllerError as e:
         return [f"(the host could not say which boxes run beside {box.name}: {e})"]
-    beside = answer.get("beside")
-    if beside is None:  # an older box-side launch: names of running sidecars only
+    entries = answer.get("entries")
+    if entries is None:  # an older box-side launch: names of running sidecars only
         return [f"{name} (its sidecar runs on the box)" for name in answer.get("running", [])]
-    return [str(b) for b in beside]
+    return [f"{e['name']} ({e['why']})" for e in entries]
 
 
 async def forget_credentials(box: Box) -> str:

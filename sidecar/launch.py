@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import signal
@@ -406,7 +407,7 @@ def start(req: Request) -> Request:
     if not req.get("start", True):
         return {"findings": findings}
     cfg_path = Path(req["config_path"])
-    _own_state(cfg_path, cfg, req.get("known_runs", []))
+    _own_state(cfg_path, cfg, req.get("known_runs", []), req.get("closed_runs", []))
     log_path = Path(req["log_path"])
     creds = cfg.get("durableCredentialsFile")
     if creds and "durable_credentials" in req:
@@ -416,7 +417,9 @@ def start(req: Request) -> Request:
             f"the durable store's credentials are gone from {creds}; give --durable-credentials FILE again"
         )
     try:
-        return _spawn(req, cfg, findings, cfg_path, log_path)
+        answer = _spawn(req, cfg, findings, cfg_path, log_path)
+        _open_run(state_dir, cfg, req)
+        return answer
     except BaseException:
         # A start that did not take leaves no secret behind: no sidecar reads them, and a box
         # that never came up has no record whose `down` would take them away.
@@ -481,22 +484,25 @@ def _last_config(cfg_path: Path) -> Request | None:
     return found if isinstance(found, dict) else None
 
 
-def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str]) -> None:
+def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str], closed_runs: list[str]) -> None:
     """A new sidecar starts on a state dir only if its last run is this one, or one the controller
-    knows (its own, torn down): another controller's run, whose sidecar died, is taken over only
-    with `up --adopt` (its ledger would be rebound to a run it knows nothing of)."""
+    knows (`known_runs`: its record's; `closed_runs`: its own, torn down, never one still open on
+    the box): another controller's run, whose sidecar died, is taken over only with `up --adopt`
+    (its ledger would be rebound to a run it knows nothing of). A run whose teardown closed it on
+    the box is over for everyone."""
     last = _last_config(cfg_path) or {}
     run = str(last.get("runId") or "")
     if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return
-    if torn_down(cfg_path.parent / "sidecar") == run:
-        return  # over: its teardown said so on the box (any controller's)
+    state_dir = cfg_path.parent / "sidecar"
+    if open_run(state_dir) is None and (run in closed_runs or torn_down(state_dir) == run):
+        return
     raise Refused(
         "mismatch",
         f"the state dir {cfg['stateDir']} holds run {run} of box {last.get('boxName')!r} (durable "
-        f"{last.get('durableUrl')}), which this controller did not start; its sidecar is not running. "
-        "`boxwarden up NAME --adopt` starts it again and takes it over; or `down` it from the "
-        "controller that started it",
+        f"{last.get('durableUrl')}), which this controller did not start, or not as it is now; its sidecar "
+        "is not running. `boxwarden up NAME --adopt` starts it again and takes it over; or `down` it "
+        "from the controller that started it",
     )
 
 
@@ -505,11 +511,44 @@ def config(req: Request) -> Request:
     sidecar holds the state dir now."""
     cfg_path = Path(req["config_path"])
     state_dir = cfg_path.parent / "sidecar"
-    return {"config": _last_config(cfg_path), "running": holder(state_dir), "torn_down": torn_down(state_dir)}
+    closed = torn_down(state_dir) if open_run(state_dir) is None else ""
+    return {"config": _last_config(cfg_path), "running": holder(state_dir), "torn_down": closed}
 
 
 TORN_DOWN = "torn-down"
 """In a state dir: the run id whose teardown saw its sidecar gone (written by the `gone` verb)."""
+RUN_OPEN = "run-open"
+"""In a state dir: the run a sidecar was started for, until its teardown closes it (JSON: run, box,
+instance). Whatever its sidecar does (runs, stopped, killed), the run is not over until then."""
+ROOTS = Path("~/.boxwarden/roots")
+"""On the box's own disk: one file per state root a box of this user keeps elsewhere (a durable tier),
+naming it, so that every box's `siblings` looks there too."""
+
+
+def open_run(state_dir: Path) -> Request | None:
+    """The run open in this state dir (None: none, or closed by its teardown)."""
+    try:
+        found = json.loads((state_dir / RUN_OPEN).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("run") else None
+
+
+def _open_run(state_dir: Path, cfg: Request, req: Request) -> None:
+    doc = {"run": cfg.get("runId", ""), "box": cfg.get("boxName", ""), "instance": req.get("instance_id", "")}
+    _write_private(state_dir / RUN_OPEN, json.dumps(doc).encode())
+    if req.get("register_root"):
+        boxes_dir = str(state_dir.parent.parent.resolve())
+        roots = Path(os.path.expanduser(ROOTS))
+        _write_private(roots / hashlib.sha256(boxes_dir.encode()).hexdigest()[:32], boxes_dir.encode())
+
+
+def _registered_roots() -> set[Path]:
+    roots = Path(os.path.expanduser(ROOTS))
+    try:
+        return {Path(f.read_text().strip()) for f in roots.iterdir() if f.is_file()}
+    except OSError:
+        return set()
 
 
 def torn_down(state_dir: Path) -> str:
@@ -520,13 +559,21 @@ def torn_down(state_dir: Path) -> str:
         return ""
 
 
-def _unfinished_box(sidecar_dir: Path) -> str:
-    """Why the box of this state dir may still be at work on the instance ("": its run is over):
-    its sidecar runs, or ended without a shutdown (its pid file left: killed, crashed) in a run no
-    teardown closed (its jobs may still run, its checkpoints never pulled)."""
+def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> str:
+    """Why the box of this state dir may still be at work on this instance ("": its run is over):
+    its sidecar runs, or its run is open (no teardown closed it, whatever its sidecar did). A run
+    open on a durable tier under another instance id is that instance's (a tier outlives them). A
+    state dir of an older version, with no open-run mark: a sidecar that ended without a shutdown
+    (its pid file left) and no teardown mark."""
     pid = holder(sidecar_dir)
     if pid is not None and (pid == 0 or _pid_alive(pid)):
         return "its sidecar runs"
+    opened = open_run(sidecar_dir)
+    if opened is not None:
+        theirs = str(opened.get("instance") or "")
+        if not local and theirs and instance and theirs != instance:
+            return ""
+        return f"run {opened['run']} never torn down; its sidecar does not run"
     cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
     if str(cfg.get("runId") or "") and torn_down(sidecar_dir) == str(cfg.get("runId")):
         return ""
@@ -537,28 +584,40 @@ def _unfinished_box(sidecar_dir: Path) -> str:
 
 def siblings(req: Request) -> Request:
     """The other boxes of this user that may still be at work on this instance, each with why: a
-    meter stop would stop them too. Looked for in every state root (this box's, and `roots`:
-    ~/.boxwarden and the profile's durable tiers). A root that cannot be read is an answer of its
-    own. (Another Unix user's boxes on the same instance are not seen: their roots are private.)"""
+    meter stop would stop them too. Looked for in every state root (this box's; `roots`: the
+    profile's; and every one a box of this user registered on this disk). A root that cannot be
+    read is an answer of its own. (Another Unix user's boxes on the same instance are not seen:
+    their roots are private.)"""
     state_dir = Path(req["state_dir"])
+    instance = str(req.get("instance_id") or "")
     own = state_dir.parent.resolve()
+    local = Path(os.path.expanduser(ROOTS)).parent.resolve() / "boxes"
     roots = {own.parent} if own.parent.name == "boxes" else set()
     roots |= {Path(os.path.expanduser(str(r))).resolve() / "boxes" for r in req.get("roots", [])}
-    found: dict[Path, str] = {}
+    roots |= {r.resolve() for r in _registered_roots()} | {local}
+    found: dict[Path, Request] = {}
     for boxes_dir in sorted(roots):
         try:
             others = sorted(boxes_dir.iterdir()) if boxes_dir.is_dir() else []
         except OSError as e:
-            found[boxes_dir] = f"{boxes_dir} (cannot be read: {e.strerror})"
+            found[boxes_dir] = {"name": str(boxes_dir), "run": "", "why": f"cannot be read: {e.strerror}"}
             continue
         for other in others:
             sidecar_dir = other / "sidecar"
             if other.resolve() == own or not sidecar_dir.is_dir():
                 continue
-            why = _unfinished_box(sidecar_dir)
+            why = _unfinished_box(sidecar_dir, instance, boxes_dir == local)
             if why:
-                found[other] = f"{other.name} ({why}: {other})"
-    return {"running": sorted({p.name for p in found}), "beside": sorted(found.values())}
+                opened = open_run(sidecar_dir) or {}
+                cfg = _last_config(other / "sidecar.json") or {}
+                run = str(opened.get("run") or cfg.get("runId") or "")
+                found[other] = {"name": other.name, "run": run, "why": f"{why}: {other}"}
+    entries = sorted(found.values(), key=lambda e: (str(e["name"]), str(e["why"])))
+    return {
+        "running": sorted({str(e["name"]) for e in entries}),
+        "beside": [f"{e['name']} ({e['why']})" for e in entries],
+        "entries": entries,
+    }
 
 
 def _pid_alive(pid: int) -> bool:
@@ -600,6 +659,9 @@ def gone(req: Request) -> Request:
     if is_gone and req.get("torn_down"):
         # The run is over, for every controller: none adopts it again, no meter waits for it.
         _write_private(state_dir / TORN_DOWN, f"{req['torn_down']}\n".encode())
+        opened = open_run(state_dir)
+        if opened is not None and opened.get("run") == req["torn_down"]:
+            os.unlink(state_dir / RUN_OPEN)
     return {"gone": is_gone, "holder": held}
 
 

@@ -390,34 +390,40 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
 ) -> None:
     """Second review of issue 25: another controller's box on the same instance is in none of this
     controller's records; the box itself says whose sidecars run there before a meter stop. Third
-    review: a box whose state lives in another root (one on the durable tier, one in ~/.boxwarden)
-    was not seen, nor one whose sidecar had died with its run never torn down."""
+    and fourth reviews: a box whose state lives in another root (a durable tier of another profile)
+    was not seen, nor one whose sidecar had stopped (killed, or cleanly) with its run never torn
+    down."""
     a = remote.bw
     box = remote.boxes("h1")
     remote.profile.write_text(remote.profile.read_text().replace('path = "~"', 'path = "~/persist"'))
-    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist")]).returncode == 0
-    up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt", "--state-on-durable")
+    (tmp_path / "theirs").mkdir()
+    theirs = tmp_path / "theirs" / remote.profile.name  # the other controller's copy, its tier elsewhere
+    theirs.write_text(remote.profile.read_text().replace('path = "~/persist"', 'path = "~/other"'))
+    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist"), str(box.home / "other")]).returncode == 0
+    ba = up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt", "--state-on-durable")
     b = second_controller(remote, tmp_path)
     try:
-        bb = up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
-        write_as_box(box, "bb/ckpt/b.bin", "B's weights, never pulled")
-        b.wait_durable("bb", 1)
-        os.kill(bb["pid"], signal.SIGKILL)  # bb's sidecar dies; its run is not over
-        wait_until(lambda: not pid_alive(bb["pid"]), what="bb's sidecar to end")
-        write_as_box(box, "ba/ckpt/a.bin", "A's weights")
+        b.ok("up", "bb", "--profile-file", str(theirs), "--host", box.alias, "--instance-id", "i-ba",
+             "--workdir", "~/bb", "--watch", "ckpt")  # fmt: skip
+        write_as_box(box, "ba/ckpt/a.bin", "A's weights, never pulled")
         a.wait_durable("ba", 1)
-        a.ok("pull", "ba", "--to", str(a.cwd / "pa"))
-        a.ok("verify", str(a.cwd / "pa"))
-        meter = a.json("down", "ba", "--confirm", "ba")["teardown"]["meter"]
-        (held,) = meter["shared_with"]
-        assert meter["sent"] is False and held.startswith("bb (its sidecar ended without a shutdown"), meter
-        assert not (tmp_path / "provider.json").exists()  # the provider was never called
-        # bb back, pulled and down: ba's run is over (its teardown said so on the box), so bb's
-        # down is the last on the instance and stops it.
-        up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        os.kill(ba["pid"], signal.SIGTERM)  # ba's sidecar stops, cleanly; its run is not over
+        wait_until(lambda: not pid_alive(ba["pid"]), what="ba's sidecar to end")
+        write_as_box(box, "bb/ckpt/b.bin", "B's weights")
+        b.wait_durable("bb", 1)
         b.ok("pull", "bb", "--to", str(b.cwd / "pb"))
         b.ok("verify", str(b.cwd / "pb"))
         meter = b.json("down", "bb", "--confirm", "bb")["teardown"]["meter"]
+        (held,) = meter["shared_with"]
+        assert meter["sent"] is False and held.startswith("ba (run "), meter
+        assert "never torn down" in held and "/persist/.boxwarden/boxes/ba" in held, held
+        assert not (tmp_path / "provider.json").exists()  # the provider was never called
+        # ba back, pulled and down: bb's run is over (its teardown closed it on the box), so ba's
+        # down is the last on the instance and stops it.
+        up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt", "--state-on-durable")
+        a.ok("pull", "ba", "--to", str(a.cwd / "pa"))
+        a.ok("verify", str(a.cwd / "pa"))
+        meter = a.json("down", "ba", "--confirm", "ba")["teardown"]["meter"]
         assert meter["shared_with"] == [] and meter["sent"] is True, meter
     finally:
         _exit_master(b, box)
