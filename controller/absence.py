@@ -11,7 +11,7 @@ down).
 
 The host is asked over a connection of its own (never a ControlMaster that may outlive the box).
 Only ssh's own word that it could not connect to the box's address at all counts as unreachable:
-`connect to host <its HostName> port <its Port>: refused | timed out | no route`, or a name that has
+`connect to host <its HostName> port <its Port>: refused | timed out`, or a name that has
 no address (never this machine's own network or resolver failing: no route out, a resolver that
 does not answer); anything else means something answered there: a login that runs, a refused login, an
 sshd that drops the connection or never sends its banner (a box under load), another host key
@@ -30,9 +30,10 @@ from controller.ssh import argv as sshargv
 from controller.state import Box
 
 HOST_TIMEOUT_S = 40.0  # past ssh's own ConnectTimeout: a login that hangs after connecting answered
-CONNECT_FAILED = ("Connection refused", "Connection timed out", "Operation timed out", "No route to host")
+CONNECT_FAILED = ("Connection refused", "Connection timed out", "Operation timed out")
 """What ssh says after `connect to host H port P: ` when it could not connect to that address at all.
-Not "Network is unreachable": that is this machine with no route out (its own network down)."""
+Not "Network is unreachable" nor "No route to host": this machine with no route out, or a gateway of
+its own that does not answer, says those (its own network down)."""
 NO_SUCH_NAME = ("Name or service not known", "No address associated with hostname",
                 "nodename nor servname provided")  # fmt: skip
 """What ssh says after `Could not resolve hostname H: ` when the name is known to have no address;
@@ -96,12 +97,16 @@ async def host_answers(box: Box) -> tuple[bool, str]:
         return True, f"a login did not finish within {HOST_TIMEOUT_S:.0f}s: something answered the connection"
     if code == 0:
         return True, "a login ran"
-    host, port = where.get("hostname", box.host), where.get("port", "22")
-    failed = any(f"connect to host {host} port {port}: {f}" in said for f in CONNECT_FAILED)
-    no_name = any(f"Could not resolve hostname {box.host}: {n}" in said for n in NO_SUCH_NAME)
-    if code == 255 and (failed or no_name):
+    if code == 255 and unreachable(said, where.get("hostname", box.host), where.get("port", "22"), box.host):
         return False, said
     return True, said or f"ssh exit {code}"
+
+
+def unreachable(said: str, host: str, port: str, dest: str) -> bool:
+    """Whether what ssh said (exit 255) is its word that it could not connect to `host`:`port` at
+    all, or that the name `dest` has no address."""
+    failed = any(f"connect to host {host} port {port}: {f}" in said for f in CONNECT_FAILED)
+    return failed or any(f"Could not resolve hostname {dest}: {n}" in said for n in NO_SUCH_NAME)
 
 
 async def _resolved(dest: sshargv.Destination) -> dict[str, str]:

@@ -273,9 +273,9 @@ def _restart_failed(
     box: Box, old: pb.HelloResponse, why: Sequence[str], credentials: str | None, e: ControllerError
 ) -> ControllerError:
     """An ordered restart whose new start failed: the old sidecar is stopped, and the user is told."""
-    keys = (
-        " The store's credentials left the box with it: give --durable-credentials again."
-        if credentials is not None or box.durable_credentials
+    keys = (  # (only new credentials are removed with a start that failed; the old file stays)
+        " The new credentials left the box with it: give --durable-credentials again."
+        if credentials is not None
         else ""
     )
     return ControllerError(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, armed, boxes, cellfacts, reach, released, teardown
+from controller import __version__, armed, boxes, cellfacts, meterstop, reach, released, teardown
 from controller.errors import ControllerError, GateRefused, Reason, StateError, UsageError
 from controller.overlap import destination_problem, overlap_problem
 from controller.state import Box, State
@@ -102,10 +102,20 @@ async def follow(
             if earlier is not None and quiet and earlier.sidecar_seen_gone:
                 # An interrupted teardown saw its sidecar gone: no gate can run, only the meter is
                 # left to settle, as `down NAME --confirm NAME` settles it.
-                report(f"continuing its teardown: {earlier.describe()}")
-                return await teardown.retry_meter(state, box, boxes.box_profile(box), manual_done)
-            if earlier is not None and quiet:  # silent for now (paused, restarting, dead): wait
+                profile = boxes.box_profile(box)
+                listed = ""
+                if profile.meter_stop.mode == "argv" and earlier.meter_stop_sent:
+                    # Its stop was sent: until the provider shows it gone (an instance slow to end),
+                    # wait, asking the provider only (each settling attempt is an audit record).
+                    word, listed = await meterstop.provider_says(profile, box)
+                    listed = "" if word == meterstop.GONE else listed
+                if not listed:
+                    report(f"continuing its teardown: {earlier.describe()}")
+                    return await teardown.retry_meter(state, box, profile, manual_done)
+                why = [f"the provider to show it gone ({listed})"]
+            elif earlier is not None and quiet:  # silent for now (paused, restarting, dead): wait
                 why = [silent(box, quiet)]
+            if earlier is not None and quiet:
                 if why != said:
                     said = why
                     report("waiting for " + "; ".join(why))

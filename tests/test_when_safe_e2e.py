@@ -394,3 +394,35 @@ def test_a_follower_waits_through_a_silence_in_an_unfinished_teardown(bw: Bw, tm
     finally:
         stop(proc)
     assert json.loads(out)["teardown"]["gone"] is True
+
+
+def test_a_follower_waits_for_the_provider_to_show_a_stopped_instance_gone(bw: Bw, tmp_path: Path) -> None:
+    """Fourth review of issue 25: a teardown that saw its sidecar gone and sent the stop, unproven
+    (an instance slow to end): the follower armed on it exited 3 at its first look instead of
+    following until the provider shows the instance gone."""
+    from tests.controller.test_meter_stop import calls, fake_profile, provider, ready_box
+
+    provider(bw, tmp_path, "create", "i-123", "--stuck")
+    ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=1))
+    pulled = bw.cwd / "pulled"
+    bw.ok("pull", "fk1", "--to", str(pulled))
+    bw.ok("verify", str(pulled))
+    assert bw("down", "fk1", "--confirm", "fk1").returncode == 1  # sent, never proven
+    argv = [sys.executable, "-m", "controller", "down", "fk1", "--confirm", "fk1", "--when-safe"]
+    argv += ["--pull-to", str(pulled), "--poll", "0.3", "--json"]
+    log = tmp_path / "follower.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            argv, cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
+        )
+    try:
+        wait_until(lambda: b"waiting for the provider to show it gone" in log.read_bytes(), what="the wait")
+        assert proc.poll() is None, log.read_text()
+        assert bw.json("status")["boxes"][0]["status"] == "meter-unproven"
+        provider(bw, tmp_path, "vanish", "i-123")  # the instance ends at last
+        out = ended(proc)
+        assert proc.returncode == 0, log.read_text()
+    finally:
+        stop(proc)
+    assert json.loads(out)["teardown"]["gone"] is True
+    assert calls(tmp_path).count(["delete", "i-123"]) == 1  # never sent again while it waited
