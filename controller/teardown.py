@@ -347,12 +347,21 @@ async def retry_meter(
             # steps without a gate; an `argv` stop polls the provider first and sends nothing
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
+        also = await sidecars_beside_if_reachable(box, profile)
         try:
-            meter = await meter_step(state, box, profile, result, manual_done, retry=True, send=resend_stop)
+            meter = await meter_step(
+                state, box, profile, result, manual_done, retry=True, send=resend_stop, also=also
+            )
         finally:
             if seen_gone:  # an earlier teardown may have stopped before it forgot them
                 record["credentials"] = await forget_credentials(box)
         result.sidecar_gone = seen_gone or meter.gone
+        if ms.mode == "argv" and meter.shared_with and not meter.gone:
+            raise GateRefused(
+                f"the meter stop of {box.name} was {meter.detail}; `down {box.name}` again once they "
+                "are down",
+                [Reason(UNFINISHED_CODE, detail=u.describe())],
+            )
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
 
@@ -438,6 +447,19 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile) -> list[s
     if entries is None:  # an older box-side launch: names of running sidecars only
         return [f"{name} (its sidecar runs on the box)" for name in answer.get("running", [])]
     return [f"{e['name']} ({e['why']})" for e in entries]
+
+
+async def sidecars_beside_if_reachable(box: Box, profile: Profile) -> list[str]:
+    """As sidecars_beside, for a teardown continued without its sidecar: the host may be gone with
+    the box, and then nothing there can be at work (a link that cannot open says nothing)."""
+    if not box.host:
+        return []
+    try:
+        async with link(box) as conn:
+            await conn.run(["true"], timeout_s=30)
+            return await sidecars_beside(conn, box, profile)
+    except ControllerError:
+        return []
 
 
 async def forget_credentials(box: Box) -> str:

@@ -429,6 +429,35 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         _exit_master(b, box)
 
 
+def test_a_stop_sent_again_waits_for_another_controllers_box_on_the_instance(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Fourth review of issue 25: a teardown whose stop did not take is continued without a gate
+    (`--resend-stop`); it asked only this controller's records, and deleted the instance under
+    another controller's box brought up there since."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    remote.provider("create", "i-ba", "--stuck")
+    remote.profile.write_text(remote.profile.read_text().replace("timeout_s = 30", "timeout_s = 1"))
+    up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt")  # (instance i-ba)
+    write_as_box(box, "ba/ckpt/a.bin", "A's weights")
+    a.wait_durable("ba", 1)
+    a.ok("pull", "ba", "--to", str(a.cwd / "pa"))
+    a.ok("verify", str(a.cwd / "pa"))
+    assert a("down", "ba", "--confirm", "ba", timeout=180).returncode == 1  # sent, never proven
+    b = second_controller(remote, tmp_path)
+    try:
+        up_as(remote, box, "bb", "--workdir", "~/bb", "--watch", "ckpt", bw=b)
+        before = len(json.loads((tmp_path / "provider.json").read_text())["calls"])
+        r = a("down", "ba", "--confirm", "ba", "--resend-stop", "--json", timeout=180)
+        assert r.returncode != 0 and "bb (its sidecar runs" in r.stderr, r.stderr
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"][before:]
+        assert ["delete", "i-ba"] not in calls, calls
+    finally:
+        _exit_master(b, box)
+
+
 def test_a_torn_down_run_is_over_for_every_controller(
     remote: Remote,  # noqa: F811
     tmp_path: Path,
