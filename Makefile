@@ -60,7 +60,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) sysdeps
-	$(BIN)/python -m pytest -q -n 4
+	$(BIN)/python -m pytest -q -n 4 --dist worksteal
 
 # kill -9 at random moments of pushes, 50 times per durable backend (file://, s3://).
 crash: $(STAMP) sysdeps

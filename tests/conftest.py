@@ -61,6 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
 # 3. Then every other module, in the usual order.
 SLOW_FIRST = (
     "tests/test_packaging.py",
+    "tests/test_demo.py",
     "tests/test_train_tiny.py",
     "tests/test_tree_invariant.py",
     "tests/test_remote_e2e.py",
@@ -70,6 +71,7 @@ SLOW_FIRST = (
     "tests/test_fleet_ops_e2e.py",
     "tests/test_fanout_fleet_e2e.py",
     "tests/test_box_trust_e2e.py",
+    "tests/test_s3_store.py",
     "tests/controller/test_teardown_resume.py",
     "tests/test_gate_reasons.py",
     "tests/test_review12_e2e.py",
