@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from controller import meterstop, released, remote
+from controller import absence, meterstop, released, remote
 from controller.bootstrap import wait_gone
 from controller.client import SidecarClient
 from controller.connector import Connector, launch
@@ -458,8 +458,11 @@ async def sidecars_beside_if_reachable(box: Box, profile: Profile) -> list[str]:
         async with link(box) as conn:
             await conn.run(["true"], timeout_s=30)
             return await sidecars_beside(conn, box, profile)
-    except ControllerError:
-        return []
+    except ControllerError as e:
+        answers, said = await absence.host_answers(box)  # (a login refused is a host that answers)
+        if not answers:
+            return []
+        return [f"(the host answers ({said}) but could not say which boxes run beside {box.name}: {e})"]
 
 
 async def forget_credentials(box: Box) -> str:

@@ -418,7 +418,11 @@ def start(req: Request) -> Request:
         )
     try:
         answer = _spawn(req, cfg, findings, cfg_path, log_path)
-        _open_run(state_dir, cfg, req)
+        try:
+            _open_run(state_dir, cfg, req)
+        except BaseException:
+            _stop(int(answer["started"]))  # no sidecar of a run that is not marked open
+            raise
         return answer
     except BaseException:
         # A start that did not take leaves no secret behind: no sidecar reads them, and a box

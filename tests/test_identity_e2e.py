@@ -454,6 +454,18 @@ def test_a_stop_sent_again_waits_for_another_controllers_box_on_the_instance(
         assert r.returncode != 0 and "bb (its sidecar runs" in r.stderr, r.stderr
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"][before:]
         assert ["delete", "i-ba"] not in calls, calls
+        # Fifth review: a login the host refuses is no host gone: the stop is held all the same.
+        _exit_master(a, box)
+        _exit_master(b, box)
+        key = box.sshd.client_key
+        os.rename(key, f"{key}.away")
+        try:
+            r = a("down", "ba", "--confirm", "ba", "--resend-stop", "--json", timeout=180)
+        finally:
+            os.rename(f"{key}.away", key)
+        assert r.returncode != 0 and "the host answers" in r.stderr, r.stderr
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"][before:]
+        assert ["delete", "i-ba"] not in calls, calls
     finally:
         _exit_master(b, box)
 
@@ -598,3 +610,22 @@ def test_a_rotation_whose_new_start_fails_says_the_box_is_unwatched(
     assert r.returncode != 0 and not pid_alive(pid), r.stderr
     assert f"the running sidecar of rx1 (pid {pid}) was stopped to restart it" in said, said
     assert "Nothing watches the box now" in said and "give --durable-credentials again" in said, said
+
+
+def test_a_start_whose_run_cannot_be_marked_open_leaves_no_sidecar(
+    remote: Remote,  # noqa: F811
+) -> None:
+    """Fifth review of issue 25: the box-side start spawned the sidecar, then could not mark its run
+    open (a home that cannot be written): the start failed, nothing was recorded, and the sidecar
+    ran on, which the next `up` called another controller's."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    blocked = "mkdir -p ~/.boxwarden && chmod 700 ~/.boxwarden && echo x > ~/.boxwarden/roots"
+    assert box.run_as_box(["sh", "-c", blocked]).returncode == 0
+    r = a("up", "sx", "--profile-file", str(remote.profile), "--host", box.alias, "--instance-id", "i-sx",
+          "--workdir", "~/sx", "--watch", "ckpt", "--state-on-durable", timeout=300)  # fmt: skip
+    assert r.returncode != 0, r.stdout
+    sidecars = "ps -u $(id -u) -o args | grep -v grep | grep 'sidecar --config' || true"
+    ps = box.run_as_box(["sh", "-c", sidecars])
+    assert "sidecar --config" not in ps.stdout, ps.stdout
+    _exit_master(a, box)
