@@ -563,27 +563,29 @@ def torn_down(state_dir: Path) -> str:
         return ""
 
 
-def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> str:
-    """Why the box of this state dir may still be at work on this instance ("": its run is over):
+def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> tuple[str, str]:
+    """Why the box of this state dir may still be at work on this instance ("": its run is over),
+    and the run it names:
     its sidecar runs, or its run is open (no teardown closed it, whatever its sidecar did). A run
     open on a durable tier under another instance id is that instance's (a tier outlives them). A
     state dir of an older version, with no open-run mark: a sidecar that ended without a shutdown
     (its pid file left) and no teardown mark."""
+    opened = open_run(sidecar_dir)
+    cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
+    run = str((opened or {}).get("run") or cfg.get("runId") or "")
     pid = holder(sidecar_dir)
     if pid is not None and (pid == 0 or _pid_alive(pid)):
-        return "its sidecar runs"
-    opened = open_run(sidecar_dir)
+        return "its sidecar runs", run
     if opened is not None:
         theirs = str(opened.get("instance") or "")
         if not local and theirs and instance and theirs != instance:
-            return ""
-        return f"run {opened['run']} never torn down; its sidecar does not run"
-    cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
-    if str(cfg.get("runId") or "") and torn_down(sidecar_dir) == str(cfg.get("runId")):
-        return ""
+            return "", run
+        return f"run {run} never torn down; its sidecar does not run", run
+    if run and torn_down(sidecar_dir) == run:
+        return "", run
     if (sidecar_dir / "sidecar.pid").exists():
-        return "its sidecar ended without a shutdown and no teardown closed its run"
-    return ""
+        return "its sidecar ended without a shutdown and no teardown closed its run", run
+    return "", run
 
 
 def siblings(req: Request) -> Request:
@@ -610,11 +612,8 @@ def siblings(req: Request) -> Request:
             sidecar_dir = other / "sidecar"
             if other.resolve() == own or not sidecar_dir.is_dir():
                 continue
-            why = _unfinished_box(sidecar_dir, instance, boxes_dir == local)
+            why, run = _unfinished_box(sidecar_dir, instance, boxes_dir == local)
             if why:
-                opened = open_run(sidecar_dir) or {}
-                cfg = _last_config(other / "sidecar.json") or {}
-                run = str(opened.get("run") or cfg.get("runId") or "")
                 found[other] = {"name": other.name, "run": run, "why": f"{why}: {other}"}
     entries = sorted(found.values(), key=lambda e: (str(e["name"]), str(e["why"])))
     return {
