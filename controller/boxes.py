@@ -945,6 +945,7 @@ async def judge(
     accept_server_checksum: bool = False,
     box_gone: bool = False,
     accept_lost: bool = False,
+    console_shows_gone: bool = False,
 ) -> gate.Verdict:
     """The gate's verdict on the box (see controller.gate). `state`: where the claims list received
     is kept (and, with `box_gone`, the last one read: controller.gone)."""
@@ -962,7 +963,8 @@ async def judge(
         raise ControllerError("internal: --box-gone judges the claims list kept in the controller state")
     silent = await teardown.silence(box) if box_gone else ""
     if silent and state is not None:
-        ev, early = await gone.gather(state, box, pulled, silent, await absence.prove(box, profile))
+        absent = await absence.prove(box, profile, console_shows_gone=console_shows_gone)
+        ev, early = await gone.gather(state, box, pulled, silent, absent)
         ev.accepted_lost = accept_lost
     else:
         keep = lastlist.keeper(state, box) if state is not None else None

@@ -24,7 +24,7 @@ from pathlib import Path
 import blake3
 from boxwarden_pb.v1 import sidecar_pb2 as pb
 
-from controller import __version__, proofs, released
+from controller import __version__, absence, proofs, released
 from controller.client import SidecarClient
 from controller.errors import (
     ControllerError,
@@ -109,8 +109,8 @@ class Verdict:
         }
 
 
-NOT_GONE = "SIDECAR_DEAD_HOST_UP"
-"""--box-gone, but neither the provider nor an unreachable host proves the box gone (controller.absence)."""
+NOT_GONE = absence.UNPROVEN
+"""--box-gone, but nothing proves the box gone (controller.absence says why, and its own code)."""
 
 SIDECAR_FAILURES = (
     "SIDECAR_UNREACHABLE",
@@ -259,7 +259,8 @@ def judge(ev: Evidence, early: list[Reason], *, confirm: str | None, dry_run: bo
     else:
         proven = bool(gone.absence)
         if not proven:
-            reasons.append(Reason(NOT_GONE, detail=gone.presence or "nothing proves the box gone"))
+            code = gone.presence_code or NOT_GONE
+            reasons.append(Reason(code, detail=gone.presence or "nothing proves the box gone"))
         checks.append(
             Check(
                 "box gone (--box-gone)",

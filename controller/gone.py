@@ -8,7 +8,8 @@ that list, verified. The verdict, the evidence document and the teardown's audit
 durable bytes from the last claims list received at that time were judged, not the box's live
 state. A sidecar that answers is not gone: `--box-gone` then refuses (BOX_ANSWERS); neither is a box
 whose host answers while its sidecar is dead (SIDECAR_DEAD_HOST_UP, controller.absence): only the
-provider's word, or a host no link reaches, proves it gone. Entries that the last list could not
+provider's word proves it gone, or, where no provider can be asked, a host no link reaches and the
+user's word that the console shows it gone (else GONE_UNPROVEN). Entries that the last list could not
 cover (files being written then) are lost with the box: the gate names each (LOST_WITH_BOX) until
 the user accepts that (`--accept-lost`).
 
@@ -83,6 +84,7 @@ async def gather(
         pending=len(last.listing.pending),
         absence=absent.how if absent.proven else "",
         presence="" if absent.proven else absent.how,
+        presence_code="" if absent.proven else absent.code,
     )
     await gate.gather_tree(ev, reasons, box, pulled, last.hello)
     return ev, reasons

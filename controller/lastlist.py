@@ -88,6 +88,7 @@ class GoneBox:
     pending: int = 0  # entries not covered by a claim in that list (lost with the box)
     absence: str = ""  # what proved the box gone (the provider, or no link reaching its host)
     presence: str = ""  # when nothing did: why it may still be there (controller.absence)
+    presence_code: str = ""  # and its reason code (controller.absence: HOST_UP or UNPROVEN)
 
     @property
     def received_at(self) -> str:

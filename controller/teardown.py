@@ -459,9 +459,12 @@ async def sidecars_beside_if_reachable(box: Box, profile: Profile) -> list[str]:
             await conn.run(["true"], timeout_s=30)
             return await sidecars_beside(conn, box, profile)
     except ControllerError as e:
-        answers, said = await absence.host_answers(box)  # (a login refused is a host that answers)
-        if not answers:
+        kind, said = await absence.host_reach(box)  # (a login refused is a host that answers)
+        if kind == absence.NO_LINK:
             return []
+        if kind == absence.CANNOT_TELL:
+            return [f"(this machine cannot tell whether the host is there ({said}), so it cannot say which "
+                    f"boxes run beside {box.name}: {e})"]  # fmt: skip
         return [f"(the host answers ({said}) but could not say which boxes run beside {box.name}: {e})"]
 
 

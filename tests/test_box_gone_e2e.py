@@ -94,8 +94,8 @@ def test_a_gone_box_is_pulled_from_durable_and_closed_only_on_that_evidence_comp
     # The sidecar is dead, but nothing says the box is: its host (this machine) answers and the
     # provider still lists it. Absence is proven, never inferred from a silent sidecar.
     r = bw("down", NAME, "--dry-run", "--box-gone", "--json")
-    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
-    detail = next(x["detail"] for x in json.loads(r.stdout)["reasons"] if x["code"] == "SIDECAR_DEAD_HOST_UP")
+    assert r.returncode == 3 and "GONE_UNPROVEN" in codes(r), r.stdout
+    detail = next(x["detail"] for x in json.loads(r.stdout)["reasons"] if x["code"] == "GONE_UNPROVEN")
     assert f"the provider's poll does not say i-{NAME} is gone" in detail and f"boxwarden up {NAME}" in detail
     kill_the_box(bw, p["watch"], tmp_path)
 
@@ -295,13 +295,21 @@ def test_a_remote_box_whose_host_answers_is_not_gone_until_no_link_reaches_it(
         r = bw("down", "g1", "--dry-run", "--box-gone", "--json", timeout=120)
         assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
     point_at(box, free_port())  # the box vanishes: nothing answers at its address any more
-    r = bw("down", "g1", "--dry-run", "--box-gone", "--json", timeout=120)
+    # Network evidence alone: a live box whose sshd stopped, or a firewall, looks the same from here
+    # (sixth review). Only the user, in the provider's console, can tell.
+    r = bw("down", "g1", "--confirm", "g1", "--box-gone", "--accept-lost", "--json", timeout=120)
+    assert r.returncode == 3 and codes(r) == {"GONE_UNPROVEN"}, r.stdout
+    assert "no link from here reaches g1" in r.stdout and "--console-shows-gone" in r.stdout
+    assert "Release it." not in r.stderr and box_status(bw, "g1") == "up"  # nothing done
+    gone = ("--box-gone", "--console-shows-gone")
+    r = bw("down", "g1", "--dry-run", *gone, "--json", timeout=120)
     assert r.returncode == 3 and codes(r) == {"LOST_WITH_BOX"}, r.stdout
     doc = json.loads(r.stdout)
     assert [x["path"] for x in doc["reasons"]] == ["link"]
     assert not {c["check"]: c for c in doc["checks"]}["the box's live state"]["ok"]  # never shown ok
-    assert doc["box_gone"]["absence"].startswith("no link reaches g1")
-    r = bw("down", "g1", "--confirm", "g1", "--box-gone", "--accept-lost", "--json", timeout=120)
+    assert doc["box_gone"]["absence"].startswith("no link from here reaches g1")
+    assert "you say nometer's console shows it gone" in doc["box_gone"]["absence"]
+    r = bw("down", "g1", "--confirm", "g1", *gone, "--accept-lost", "--json", timeout=120)
     assert r.returncode == 1 and "Release it." in r.stderr, r.stderr  # the steps, then your word
     doc = bw.json("down", "g1", "--confirm", "g1", "--meter-stopped")
     assert doc["teardown"]["gone"] is True
@@ -321,12 +329,13 @@ def test_a_box_its_provider_still_lists_is_not_gone_however_out_of_reach(
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: not pid_alive(first["pid"]), what="g2's sidecar gone")
     point_at(box, free_port())
-    r = bw("down", "g2", "--dry-run", "--box-gone", "--json", timeout=120)
-    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    # (the user's word from the console does not outweigh the provider's poll)
+    r = bw("down", "g2", "--dry-run", "--box-gone", "--console-shows-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "GONE_UNPROVEN" in codes(r), r.stdout
     assert "the provider's poll does not say i-g2 is gone" in r.stdout
     remote.provider("vanish", "i-g2")
     r = bw("down", "g2", "--dry-run", "--box-gone", "--json", timeout=120)
-    assert "SIDECAR_DEAD_HOST_UP" not in codes(r), r.stdout
+    assert not {"GONE_UNPROVEN", "SIDECAR_DEAD_HOST_UP"} & codes(r), r.stdout
     assert json.loads(r.stdout)["box_gone"]["absence"].startswith("the provider says it is gone")
 
 
@@ -362,7 +371,7 @@ def test_what_only_seems_out_of_reach_proves_no_box_gone(remote: Remote) -> None
     text = box.config.read_text()
     at = text.index("Host g3\n") + len("Host g3\n")
     box.config.write_text(text[:at] + "    ProxyJump nowhere.invalid\n" + text[at:])
-    r = bw("down", "g3", "--dry-run", "--box-gone", "--json", timeout=120)
+    r = bw("down", "g3", "--dry-run", "--box-gone", "--console-shows-gone", "--json", timeout=120)
     assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
     assert "reached through nowhere.invalid" in r.stdout
     # Third review: this machine's own network down (no route out; a resolver that does not answer)
@@ -370,13 +379,17 @@ def test_what_only_seems_out_of_reach_proves_no_box_gone(remote: Remote) -> None
     box.config.write_text(text.replace("Host g3\n", "Host g3\n    HostName g3box.invalid\n", 1))
     resolv = bw.cwd / "resolv.conf"
     resolv.write_text("nameserver 127.0.0.1\n")  # nothing answers there: "Temporary failure"
-    cli = shlex.join([sys.executable, "-m", "controller", "down", "g3", "--dry-run", "--box-gone", "--json"])
+    # Fifth review: that was then called "sidecar dead, host up": this machine cannot tell, and says so.
+    down = ["down", "g3", "--dry-run", "--box-gone", "--console-shows-gone", "--json"]
+    cli = shlex.join([sys.executable, "-m", "controller", *down])
     for how in (["-m", f"mount --bind {resolv} /etc/resolv.conf && exec {cli}"], ["-n", f"exec {cli}"]):
         if how[0] == "-n":
             box.config.write_text(text)  # its address again, from a machine with no network at all
         r = subprocess.run(["unshare", how[0], "sh", "-c", how[1]], env=bw.env, cwd=bw.cwd,
                            capture_output=True, text=True, timeout=120)  # fmt: skip
-        assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), (how, r.stdout, r.stderr)
+        assert r.returncode == 3 and "GONE_UNPROVEN" in codes(r), (how, r.stdout, r.stderr)
+        assert "this machine cannot tell whether" in r.stdout and "check this machine's network" in r.stdout
+        assert "host up" not in r.stdout and "something answers" not in r.stdout
 
 
 def test_a_provider_that_cannot_be_asked_proves_nothing(remote: Remote) -> None:  # noqa: F811
@@ -395,6 +408,6 @@ def test_a_provider_that_cannot_be_asked_proves_nothing(remote: Remote) -> None:
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: not pid_alive(first["pid"]), what="g4's sidecar gone")
     point_at(box, free_port())
-    r = bw("down", "g4", "--dry-run", "--box-gone", "--json", timeout=120)
-    assert r.returncode == 3 and "SIDECAR_DEAD_HOST_UP" in codes(r), r.stdout
+    r = bw("down", "g4", "--dry-run", "--box-gone", "--console-shows-gone", "--json", timeout=120)
+    assert r.returncode == 3 and "GONE_UNPROVEN" in codes(r), r.stdout
     assert "the provider could not be asked" in r.stdout

@@ -80,6 +80,13 @@ from controller.state import Box, State, exclusive
     "written then) went with the box (recorded in the evidence).",
 )
 @click.option(
+    "--console-shows-gone",
+    is_flag=True,
+    help="With --box-gone, for a profile that cannot ask its provider (no poll command): you looked in "
+    "the provider's console and it shows the instance gone (destroyed, released; not stopped). No link "
+    "from here may reach its host either. Recorded in the evidence.",
+)
+@click.option(
     "--when-safe",
     is_flag=True,
     help="With --confirm NAME: follow the box, pull and verify as its claims arrive, and tear it down "
@@ -149,6 +156,7 @@ def _command(
     accept_server_checksum: bool,
     box_gone: bool,
     accept_lost: bool,
+    console_shows_gone: bool,
     durable_credentials: Path | None,
     when_safe: bool,
     pull_to: Path | None,
@@ -176,6 +184,7 @@ def _command(
             "--resend-stop": resend_stop,
             "--box-gone": box_gone,
             "--accept-lost": accept_lost,
+            "--console-shows-gone": console_shows_gone,
             "--durable-credentials": durable_credentials is not None,
         }
         for what, present in given.items():
@@ -198,6 +207,8 @@ def _command(
         )
     if accept_lost and not box_gone:
         raise UsageError("--accept-lost goes with --box-gone (a box that answers has nothing lost to accept)")
+    if console_shows_gone and not box_gone:
+        raise UsageError("--console-shows-gone goes with --box-gone (it is your word that the box is gone)")
     if resend_stop and box_gone:
         raise UsageError("--resend-stop continues an unfinished teardown; it does not go with --box-gone")
     opts = Opts(
@@ -210,6 +221,7 @@ def _command(
         box_gone,
         durable_credentials,
         accept_lost,
+        console_shows_gone,
     )
     state = open_state()
     box = state.get(name)
@@ -306,6 +318,7 @@ class Opts:
     box_gone: bool
     durable_credentials: Path | None
     accept_lost: bool = False
+    console_shows_gone: bool = False
 
 
 def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
@@ -372,6 +385,7 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
                 accept_server_checksum=o.accept_server_checksum,
                 box_gone=o.box_gone,
                 accept_lost=o.accept_lost,
+                console_shows_gone=o.console_shows_gone,
             )
         )
 

@@ -209,11 +209,18 @@ def test_a_gone_box_is_judged_on_its_last_list_and_a_pull_of_it_from_durable() -
 def test_a_gone_box_that_nothing_proves_gone_and_its_lost_entries_are_refused() -> None:
     """Issue 25, finding 3: the user's word and a silent sidecar do not prove a box gone; what its
     last list could not cover is never shown `ok`."""
-    up = replace(gone_box(), absence="", presence="sidecar dead, host up: h answers over SSH")
+    up = replace(
+        gone_box(),
+        absence="",
+        presence="sidecar dead, host up: h answers over SSH",
+        presence_code="SIDECAR_DEAD_HOST_UP",
+    )
     ev = with_(clean(), claims=durable_claims("reread"), gone=up)
     v = judge(ev, [], confirm="b1", dry_run=False)
     assert [r.code for r in v.reasons] == ["SIDECAR_DEAD_HOST_UP"] and "host up" in v.reasons[0].detail
     assert not next(c for c in v.checks if c.name == "box gone (--box-gone)").ok
+    v = judge(with_(ev, gone=replace(gone_box(), absence="")), [], confirm="b1", dry_run=False)
+    assert [r.code for r in v.reasons] == ["GONE_UNPROVEN"]  # no word of why: still not gone
     lost = pb.Pending(path="cell-a/link", state=pb.PENDING_UNCLAIMABLE, detail="a symlink")
     ev = with_(clean(), claims=durable_claims("reread"), gone=replace(gone_box(), pending=1))
     ev.pending = [lost]
