@@ -260,4 +260,13 @@ async def tear_down(
 
     # All at once: a local box's helpers run in "/" (LocalConnector.run), so one box's release
     # never takes another teardown's launcher for a stray.
-    return list(await asyncio.gather(*(one(b) for b in fleet)))
+    outcomes = list(await asyncio.gather(*(one(b) for b in fleet)))
+    # A box whose meter stop was held back by another box of the fleet on its instance is down
+    # once the last of them proved the instance's stop (teardown.close_held).
+    for o in outcomes:
+        if o.outcome == REFUSED and teardown.HELD_CODE in o.codes and state.get(o.box).status == "down":
+            o.outcome, o.error = TORN_DOWN, ""
+            o.reasons = [
+                Reason(teardown.HELD_CODE, detail=f"{o.reasons[0].detail}: stopped with the last of them")
+            ]
+    return outcomes

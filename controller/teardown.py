@@ -13,7 +13,8 @@ with the meter proven stopped (a poll timeout, a Ctrl-C, a `kill -9`) is continu
 `down`. If the sidecar answers again (the user ran `up`), that `down` is a normal one, through the
 whole gate. If it does not, nothing watches the box: `retry_meter` polls first and records "gone"
 only when the poll shows it; otherwise it refuses, and sends the stop again only on the user's
-explicit `--resend-stop` (audited as sent without a gate).
+explicit `--resend-stop` (audited as sent without a gate). A stop held back because other boxes
+were at work on the instance (METER_HELD) was never sent: it is sent once none is left.
 """
 
 from __future__ import annotations
@@ -39,13 +40,22 @@ from controller.reach import connector_for, end_link, link
 from controller.state import Box, State, Step
 
 RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP = "release", "shutdown", "sidecar_gone", "meter_stop"
-STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_STOP)
+METER_HELD = "meter_held"
+"""The meter stop was not sent: other boxes were still at work on the instance (whose meter it is).
+The box stays unfinished until a stop of its instance is proven (its own `down` again, or the last
+of them)."""
+STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_HELD, METER_STOP)
 # What stays true of the box once a sidecar answers `up` again: its meter stop may have been sent
 # (the next stop polls first). The other steps were taken on a sidecar that is not the one watching.
 KEPT_BY_UP = (METER_STOP, RELEASE)
 """(A release asked for stays on record across `up`: what it deleted on the box is deleted still,
 and its manifest is what the gate may take as "released by this teardown": controller.released.)"""
 UNFINISHED_CODE = "TEARDOWN_UNFINISHED"
+HELD_CODE = "METER_HELD"
+
+
+class MeterHeld(GateRefused):
+    """The meter stop was held: other boxes are still at work on the instance."""
 
 
 def asked_release(state: State, box: Box) -> released.ReleaseAsked | None:
@@ -71,6 +81,11 @@ class Unfinished:
         return METER_STOP in self.steps
 
     @property
+    def held_only(self) -> bool:
+        """Only the hold kept the stop from being sent: the gate passed and the sidecar was seen gone."""
+        return METER_HELD in self.steps and SIDECAR_GONE in self.steps and not self.meter_stop_sent
+
+    @property
     def sidecar_seen_gone(self) -> bool:
         """This teardown saw its sidecar gone after the release (`up` again drops the step)."""
         return SIDECAR_GONE in self.steps
@@ -81,6 +96,7 @@ class Unfinished:
             RELEASE: "release of box-side copies requested",
             SHUTDOWN: "sidecar stop requested",
             SIDECAR_GONE: "sidecar seen gone",
+            METER_HELD: "meter stop held",
             METER_STOP: "meter stop sent",
         }
         parts = []
@@ -90,7 +106,7 @@ class Unfinished:
                 shown = released.RELEASE_OF.sub(
                     lambda m: f"release of manifest {m.group(1)[:16]}…: ", s.detail
                 )
-                detail = f" ({shown})" if s.detail and name == RELEASE else ""
+                detail = f" ({shown})" if s.detail and name in (RELEASE, METER_HELD) else ""
                 parts.append(f"{said[name]} {when(s.at_ns)}{detail}")
         parts.append("not proven" if self.meter_stop_sent else "meter stop not sent")
         return ", ".join(parts)
@@ -175,6 +191,8 @@ def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: 
     sent = u.steps.get(METER_STOP)
     if sent is not None:
         head = f"the meter stop of {box.name} was sent at {when(sent.at_ns)} but never proven"
+    elif u.held_only:
+        return held_refusal(box, u.steps[METER_HELD].detail)
     else:
         head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
     poll = f"; the provider's poll does not say it is gone ({poll_said})" if poll_said else ""
@@ -212,11 +230,10 @@ class TeardownResult:
 
     @property
     def gone(self) -> bool:
-        """The box is down: its sidecar is gone and its meter is proven stopped (or needs none, or
-        is another box's still: one on the same instance that is up)."""
+        """The box is down: its sidecar is gone and its meter is proven stopped (or needs none)."""
         if not self.sidecar_gone or self.meter is None:
             return False
-        return self.meter.gone or self.meter.manual_confirmed or bool(self.meter.shared_with)
+        return self.meter.gone or self.meter.manual_confirmed
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -348,20 +365,17 @@ async def retry_meter(
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
         also = await sidecars_beside_if_reachable(box, profile)
+        # A stop only held back by other boxes on the instance was never sent: the gate passed and
+        # the sidecar was seen gone, so it is sent now that none is left (the poll first).
+        send = resend_stop or u.held_only
         try:
             meter = await meter_step(
-                state, box, profile, result, manual_done, retry=True, send=resend_stop, also=also
+                state, box, profile, result, manual_done, retry=True, send=send, also=also
             )
         finally:
             if seen_gone:  # an earlier teardown may have stopped before it forgot them
                 record["credentials"] = await forget_credentials(box)
         result.sidecar_gone = seen_gone or meter.gone
-        if ms.mode == "argv" and meter.shared_with and not meter.gone:
-            raise GateRefused(
-                f"the meter stop of {box.name} was {meter.detail}; `down {box.name}` again once they "
-                "are down",
-                [Reason(UNFINISHED_CODE, detail=u.describe())],
-            )
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
 
@@ -380,21 +394,18 @@ async def meter_step(
     also: Sequence[str] = (),
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
-    `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box's
-    sidecar may still run on the same instance, nothing is sent (that box's own `down` stops it).
-    `also`: boxes whose sidecars the box itself says run there (another controller's too)."""
-    known = sharing_instance(state, box)
-    sharing = [*known, *(n for n in also if n.partition(" ")[0] not in known)]
-    if sharing:
-        ms = profile.meter_stop
-        result.meter = MeterResult(
-            mode=ms.mode,
-            verb=ms.verb,
-            shared_with=sharing,
-            detail=f"not sent: {', '.join(sharing)} still on instance {box.instance_id}, whose meter "
-            "this is; the last of them to go down stops it",
-        )
-        return result.meter
+    `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box
+    may still be at work on the same instance, nothing is sent and the box stays unfinished
+    (MeterHeld): its next `down` asks again and sends the stop once none is left, and a stop of the
+    instance that another box's teardown proves closes it. `also`: boxes the box itself says are at
+    work there (another controller's too)."""
+    sharing = holding(state, box, also)
+    ms = profile.meter_stop
+    if sharing and ms.mode != "none":
+        result.meter = MeterResult(mode=ms.mode, verb=ms.verb, shared_with=sharing, detail="held")
+        detail = "; ".join(sharing)
+        state.step(box.with_(status="meter-unproven"), METER_HELD, detail)
+        raise held_refusal(box, detail)
     try:
         result.meter = await meterstop.stop_meter(
             profile,
@@ -407,11 +418,55 @@ async def meter_step(
         held = result.meter.mode == "argv" and not result.meter.gone and not result.meter.sent
         if not held:  # held: still there and not sent again; the caller refuses
             meterstop.require_stopped(result.meter)
+            close_held(state, box, result.meter)
         return result.meter
     except BaseException:
         if METER_STOP in state.teardown_steps(box.name):
             state.put(box.with_(status="meter-unproven"))
         raise
+
+
+def holding(state: State, box: Box, also: Sequence[str] = ()) -> list[str]:
+    """Who holds the instance's meter stop: this controller's boxes on it (sharing_instance), and
+    `also`, the boxes the box itself says are at work there."""
+    known = sharing_instance(state, box)
+    return [*known, *(n for n in also if n.partition(" ")[0] not in known)]
+
+
+def held_refusal(box: Box, holders: str) -> MeterHeld:
+    n = box.name
+    return MeterHeld(
+        f"the meter of {n} was NOT stopped: other boxes are still at work on instance "
+        f"{box.instance_id or '(none named)'}, whose meter it is ({holders}). {n} is released and its "
+        f"sidecar is gone; its teardown is unfinished until the meter stops. Once they are down, "
+        f"`boxwarden down {n} --confirm {n}` asks the box again and stops the meter (a box no "
+        "controller of yours knows stays at work there until you deal with it on the box)",
+        [Reason(HELD_CODE, detail=holders)],
+    )
+
+
+def close_held(state: State, box: Box, meter: MeterResult) -> None:
+    """The meter of `box`'s instance is proven stopped (or the user did the console steps): this
+    controller's boxes whose stop was only held back on that instance are down with it."""
+    if not box.instance_id:
+        return
+    for b in state.boxes():
+        if b.name == box.name or b.status == "down" or b.instance_id != box.instance_id:
+            continue
+        u = unfinished(state, b)
+        if u is None or not u.held_only:
+            continue
+        record = {
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "instance_id": b.instance_id,
+            "actions": [
+                f"meter stop held ({u.steps[METER_HELD].detail}), then stopped by the teardown of {box.name}"
+            ],
+            "continues": u.to_json(),
+            "result": {"meter": meter.to_json(), "gone": True, "stopped_by": box.name},
+        }
+        state.audit(b.name, record)
+        state.set_teardown(b.with_(status="down"), {})
 
 
 def sharing_instance(state: State, box: Box) -> list[str]:

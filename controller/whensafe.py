@@ -91,10 +91,13 @@ async def follow(
     it still waits. Raises StateError if the box is down meanwhile (another `down`)."""
     said: list[str] = []
     told = False
+    held: list[str] = []  # the boxes its meter stop waits for, last seen
     armed.arm(state, name)
     try:
         while True:
             box = state.get(name)
+            if box.status == "down" and held:
+                return _closed_with_instance(box)
             if box.status == "down":
                 raise StateError(f"{name} is down now: nothing left to tear down when safe")
             earlier = teardown.unfinished(state, box)
@@ -109,10 +112,17 @@ async def follow(
                     # wait, asking the provider only (each settling attempt is an audit record).
                     word, listed = await meterstop.provider_says(profile, box)
                     listed = "" if word == meterstop.GONE else listed
-                if not listed:
+                held = []
+                if earlier.held_only:  # asked without an audit record each look
+                    also = await teardown.sidecars_beside_if_reachable(box, profile)
+                    held = teardown.holding(state, box, also)
+                if not listed and not held:
                     report(f"continuing its teardown: {earlier.describe()}")
-                    return await teardown.retry_meter(state, box, profile, manual_done)
-                why = [f"the provider to show it gone ({listed})"]
+                    try:
+                        return await teardown.retry_meter(state, box, profile, manual_done)
+                    except teardown.MeterHeld as e:
+                        held = [r.detail for r in e.reasons]
+                why = [_held(box, held)] if held else [f"the provider to show it gone ({listed})"]
             elif earlier is not None and quiet:  # silent for now (paused, restarting, dead): wait
                 why = [silent(box, quiet)]
             if earlier is not None and quiet:
@@ -134,6 +144,9 @@ async def follow(
                     report("the gate passed: tearing down")
                     try:
                         return await boxes.down(state, state.get(name), verdict, manual_done)
+                    except teardown.MeterHeld as e:  # released, its sidecar gone: the meter waits
+                        held = [r.detail for r in e.reasons]
+                        why = [_held(box, held)]
                     except GateRefused as e:  # only the release refuses so: the box is as it was, watched
                         why = [f"the release: {_line(r)}" for r in e.reasons] or [str(e)]
             if why != said:
@@ -142,6 +155,25 @@ async def follow(
             await asyncio.sleep(poll_s)
     finally:
         armed.disarm(state, name)
+
+
+def _closed_with_instance(box: Box) -> teardown.TeardownResult:
+    """The box whose stop was held is down: the last box on its instance proved the stop."""
+    ms = boxes.box_profile(box).meter_stop
+    meter = meterstop.MeterResult(
+        mode=ms.mode,
+        verb=ms.verb,
+        gone=True,
+        detail=f"stopped with the last box on instance {box.instance_id} (its audit record says which)",
+    )
+    return teardown.TeardownResult(box=box.name, sidecar_gone=True, meter=meter)
+
+
+def _held(box: Box, holders: list[str]) -> str:
+    return (
+        f"the other boxes at work on instance {box.instance_id} to go down, whose meter it is too "
+        f"({'; '.join(holders)})"
+    )
 
 
 async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) -> list[str]:

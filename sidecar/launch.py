@@ -575,12 +575,16 @@ def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> tuple[str,
     run = str((opened or {}).get("run") or cfg.get("runId") or "")
     pid = holder(sidecar_dir)
     if pid is not None and (pid == 0 or _pid_alive(pid)):
-        return "its sidecar runs", run
+        theirs = str((opened or {}).get("instance") or "")
+        named = f" (its controller names the instance {theirs})" if theirs and theirs != instance else ""
+        return f"its sidecar runs{named}", run
     if opened is not None:
         theirs = str(opened.get("instance") or "")
         if not local and theirs and instance and theirs != instance:
             return "", run
-        return f"run {run} never torn down; its sidecar does not run", run
+        # (On this disk it is on this instance, whatever id its controller gave it.)
+        named = f" (its controller names the instance {theirs})" if theirs and theirs != instance else ""
+        return f"run {run} never torn down{named}; its sidecar does not run", run
     if run and torn_down(sidecar_dir) == run:
         return "", run
     if (sidecar_dir / "sidecar.pid").exists():

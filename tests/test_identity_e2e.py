@@ -298,14 +298,19 @@ def test_the_meter_of_an_instance_two_boxes_share_stops_with_the_last_of_them(
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
         return sum(1 for verb, _ in calls if verb == "delete")
 
-    doc = bw.json("down", "boxc", "--confirm", "boxc")
-    meter = doc["teardown"]["meter"]
-    assert meter["shared_with"] == ["boxd"] and meter["sent"] is False and deletes() == 0
-    assert "boxd still on instance i-h1" in meter["detail"]
+    r = bw("down", "boxc", "--confirm", "boxc", "--json")
+    assert r.returncode == 3 and "METER_HELD" in r.stderr and deletes() == 0, r.stderr
+    assert "meter of boxc was NOT stopped" in r.stderr and "boxd" in r.stderr
+    # Sixth review: the held box was called down although nothing might ever send its stop; it is
+    # unfinished until a stop of its instance is proven, and `status` says so.
     rows = {r["box"]: r for r in bw.json("status")["boxes"]}
-    assert rows["boxc"]["status"] == "down" and rows["boxd"]["unreachable"] is False  # boxd runs on
+    assert rows["boxc"]["status"] == "meter-unproven" and rows["boxd"]["unreachable"] is False  # boxd runs on
+    r = bw("down", "boxc", "--confirm", "boxc", "--json")  # asked again: boxd still there, still held
+    assert r.returncode == 3 and "METER_HELD" in r.stderr and deletes() == 0, r.stderr
     doc = bw.json("down", "boxd", "--confirm", "boxd")  # the last box on the instance stops its meter
     assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is True and deletes() == 1
+    rows = {r["box"]: r for r in bw.json("status")["boxes"]}
+    assert rows["boxc"]["status"] == "down"  # down with it: the instance's stop is proven
 
 
 def test_a_dead_sidecar_of_another_controller_is_taken_over_only_with_adopt(
@@ -413,9 +418,9 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         b.wait_durable("bb", 1)
         b.ok("pull", "bb", "--to", str(b.cwd / "pb"))
         b.ok("verify", str(b.cwd / "pb"))
-        meter = b.json("down", "bb", "--confirm", "bb")["teardown"]["meter"]
-        (held,) = meter["shared_with"]
-        assert meter["sent"] is False and held.startswith("ba (run "), meter
+        r = b("down", "bb", "--confirm", "bb", "--json")
+        assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
+        held = r.stderr[r.stderr.index("ba (run ") :]
         assert "never torn down" in held and "/persist/.boxwarden/boxes/ba" in held, held
         assert not (tmp_path / "provider.json").exists()  # the provider was never called
         # ba back, pulled and down: bb's run is over (its teardown closed it on the box), so ba's
@@ -425,6 +430,11 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         a.ok("verify", str(a.cwd / "pa"))
         meter = a.json("down", "ba", "--confirm", "ba")["teardown"]["meter"]
         assert meter["shared_with"] == [] and meter["sent"] is True, meter
+        # Sixth review: bb was called down on a stop that only another controller would send; it
+        # stayed unfinished, and its `down` again finds the instance gone.
+        assert b.json("status", "bb")["boxes"][0]["status"] == "meter-unproven"
+        doc = b.json("down", "bb", "--confirm", "bb")
+        assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["gone"] is True, doc
     finally:
         _exit_master(b, box)
 
@@ -464,6 +474,16 @@ def test_a_stop_sent_again_waits_for_another_controllers_box_on_the_instance(
         finally:
             os.rename(f"{key}.away", key)
         assert r.returncode != 0 and "the host answers" in r.stderr, r.stderr
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"][before:]
+        assert ["delete", "i-ba"] not in calls, calls
+        # Sixth review: this machine's own network down is no host gone either: it cannot tell.
+        _exit_master(a, box)
+        cli = [sys.executable, "-m", "controller", "down", "ba", "--confirm", "ba", "--resend-stop", "--json"]
+        r = subprocess.run(["unshare", "-n", *cli], env=a.env, cwd=a.cwd, capture_output=True, text=True,
+                           timeout=180)  # fmt: skip
+        assert r.returncode == 3 and "this machine cannot tell whether the host is there" in r.stderr, (
+            r.stderr
+        )
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"][before:]
         assert ["delete", "i-ba"] not in calls, calls
     finally:

@@ -377,5 +377,6 @@ def test_the_meter_waits_for_every_box_whose_sidecar_may_still_run_on_the_instan
     bw.wait_durable("ba", 1)
     bw.ok("pull", "ba", "--to", str(bw.cwd / "pulled-ba"))
     bw.ok("verify", str(bw.cwd / "pulled-ba"))
-    doc = bw.json("down", "ba", "--confirm", "ba")
-    assert doc["teardown"]["meter"]["shared_with"] == ["bb", "bc"] and stop_calls(tmp_path) == 0
+    r = bw("down", "ba", "--confirm", "ba", "--json")
+    assert r.returncode == 3 and "METER_HELD" in r.stderr and "(bb; bc)" in r.stderr, r.stderr
+    assert stop_calls(tmp_path) == 0
