@@ -8,8 +8,6 @@ of the instance that another box's teardown proves closes it; a follower waits f
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from tests.conftest import Bw, wait_until
@@ -23,7 +21,7 @@ from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     wheel_cache,
     write_as_box,
 )
-from tests.test_when_safe_e2e import ended, stop
+from tests.test_when_safe_e2e import ended, follower, stop
 
 
 def up_on_instance(bw: Bw, tmp_path: Path, *names: str) -> None:
@@ -46,13 +44,8 @@ def test_a_follower_waits_for_a_held_stop_and_ends_when_the_last_box_stops_the_i
 ) -> None:
     (provider_dir(tmp_path) / "complete").touch()  # the provider ends an instance at its stop
     up_on_instance(bw, tmp_path, "ha", "hb")
-    argv = [sys.executable, "-m", "controller", "down", "ha", "--confirm", "ha", "--when-safe"]
-    argv += ["--pull-to", str(bw.cwd / "pulled-ha"), "--poll", "0.3", "--json"]
     log = tmp_path / "follower.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            argv, cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
-        )
+    proc = follower(bw, bw.cwd / "pulled-ha", log, "ha")
     try:
         wait_until(lambda: b"the other boxes at work on instance" in log.read_bytes(), what="the held stop")
         assert proc.poll() is None, log.read_text()

@@ -58,8 +58,8 @@ FAILS = SAVE + "sys.exit(1)\n"
 FAILS_EMPTY = "import sys; sys.exit(1)\n"  # fails before it writes anything
 
 
-def follower(bw: Bw, pulled: Path, log: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "controller", "down", NAME, "--confirm", NAME, "--when-safe"]
+def follower(bw: Bw, pulled: Path, log: Path, name: str = NAME) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "controller", "down", name, "--confirm", name, "--when-safe"]
     argv += ["--pull-to", str(pulled), "--poll", "0.3", "--json"]
     with open(log, "wb") as err:
         return subprocess.Popen(
@@ -408,13 +408,8 @@ def test_a_follower_waits_for_the_provider_to_show_a_stopped_instance_gone(bw: B
     bw.ok("pull", "fk1", "--to", str(pulled))
     bw.ok("verify", str(pulled))
     assert bw("down", "fk1", "--confirm", "fk1").returncode == 1  # sent, never proven
-    argv = [sys.executable, "-m", "controller", "down", "fk1", "--confirm", "fk1", "--when-safe"]
-    argv += ["--pull-to", str(pulled), "--poll", "0.3", "--json"]
     log = tmp_path / "follower.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            argv, cwd=bw.cwd, env=bw.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err
-        )
+    proc = follower(bw, pulled, log, "fk1")
     try:
         wait_until(lambda: b"waiting for the provider to show it gone" in log.read_bytes(), what="the wait")
         assert proc.poll() is None, log.read_text()
