@@ -120,7 +120,10 @@ def start_request(
         "known_runs": list(known_runs),
         "closed_runs": list(closed_runs),
         "instance_id": box.instance_id,
-        "register_root": box.state_on_durable,
+        # A root other than the box's own ~/.boxwarden is named on its disk, so that every box's
+        # `siblings` finds it: a durable tier's, and this machine's state home (another
+        # BOXWARDEN_HOME's boxes on one machine share its instance too).
+        "register_root": box.state_on_durable or not box.host,
         **checks,
         "config": json_format.MessageToDict(config_for(box)),
         "config_path": f"{root}/sidecar.json",

@@ -315,7 +315,7 @@ async def teardown(
         state.step(tearing, SIDECAR_GONE, f"pid {hello.pid}")
         # The gate passed just now: the stop may be sent (again: an earlier one polls first).
         retry = earlier is not None and earlier.meter_stop_sent
-        on_box = await sidecars_beside(conn, box, profile)
+        on_box = await sidecars_beside(conn, box, profile, state)
         await meter_step(state, box, profile, result, manual_done, retry=retry, send=True, also=on_box)
         if await sidecar_answers(box):
             # Something started a sidecar while the meter stopped (`up` waits for this `down`; a
@@ -364,17 +364,19 @@ async def retry_meter(
             # steps without a gate; an `argv` stop polls the provider first and sends nothing
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
-        also = await sidecars_beside_if_reachable(box, profile)
+        also = await sidecars_beside_if_reachable(box, profile, state)
         # A stop only held back by other boxes on the instance was never sent: the gate passed and
         # the sidecar was seen gone, so it is sent now that none is left (the poll first).
         send = resend_stop or u.held_only
+        settled = False
         try:
             meter = await meter_step(
                 state, box, profile, result, manual_done, retry=True, send=send, also=also
             )
+            settled = meter.gone or meter.manual_confirmed
         finally:
-            if seen_gone:  # an earlier teardown may have stopped before it forgot them
-                record["credentials"] = await forget_credentials(box)
+            if seen_gone or settled:  # an earlier teardown may have stopped before it forgot them
+                record["credentials"] = await forget_credentials(box, close_run=settled)
         result.sidecar_gone = seen_gone or meter.gone
         if ms.mode == "argv" and not meter.gone and not meter.sent:
             raise unfinished_refusal(box, u, meter.last_poll)
@@ -459,6 +461,7 @@ def close_held(state: State, box: Box, meter: MeterResult) -> None:
         record = {
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "instance_id": b.instance_id,
+            "run_id": b.run_id,
             "actions": [
                 f"meter stop held ({u.steps[METER_HELD].detail}), then stopped by the teardown of {box.name}"
             ],
@@ -485,15 +488,15 @@ def sharing_instance(state: State, box: Box) -> list[str]:
     return sorted(out)
 
 
-async def sidecars_beside(conn: Connector, box: Box, profile: Profile) -> list[str]:
-    """The boxes that may still be at work on a remote box's host beside this one, as the host says
-    (any controller's, in any of the user's state roots), each with why. [] for a box on this machine
-    (its other boxes are this controller's, in its state). Fails closed: a host that cannot say is
-    an answer that holds the meter stop."""
-    if not box.host:
-        return []
+async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: State) -> list[str]:
+    """The boxes that may still be at work on the box's host beside this one, as the host says (any
+    controller's, in any of the user's state roots, this machine's other state homes for a box on
+    this machine), each with why. Fails closed: a host that cannot say is an answer that holds the
+    meter stop. The runs this controller tore down are over, wherever the box still shows them open
+    (a teardown of a gone box could not reach it to close them)."""
     roots = [remote.STATE_ROOT, *(f"{t.path.rstrip('/')}/.boxwarden" for t in profile.storage)]
-    req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id}
+    closed = {b.name: sorted(state.torn_down_runs(b.name)) for b in state.boxes()}
+    req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id, "closed": closed}
     try:
         answer = await launch(conn, "siblings", req, timeout_s=30)
     except ControllerError as e:
@@ -504,15 +507,16 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile) -> list[s
     return [f"{e['name']} ({e['why']})" for e in entries]
 
 
-async def sidecars_beside_if_reachable(box: Box, profile: Profile) -> list[str]:
+async def sidecars_beside_if_reachable(box: Box, profile: Profile, state: State) -> list[str]:
     """As sidecars_beside, for a teardown continued without its sidecar: the host may be gone with
     the box, and then nothing there can be at work (a link that cannot open says nothing)."""
     if not box.host:
-        return []
+        async with link(box) as conn:
+            return await sidecars_beside(conn, box, profile, state)
     try:
         async with link(box) as conn:
             await conn.run(["true"], timeout_s=30)
-            return await sidecars_beside(conn, box, profile)
+            return await sidecars_beside(conn, box, profile, state)
     except ControllerError as e:
         kind, said = await absence.host_reach(box)  # (a login refused is a host that answers)
         if kind == absence.NO_LINK:
@@ -523,19 +527,32 @@ async def sidecars_beside_if_reachable(box: Box, profile: Profile) -> list[str]:
         return [f"(the host answers ({said}) but could not say which boxes run beside {box.name}: {e})"]
 
 
-async def forget_credentials(box: Box) -> str:
+async def forget_credentials(box: Box, *, close_run: bool = False) -> str:
     """Remove the store's credentials from a box whose sidecar is gone (a teardown interrupted
-    after the sidecar's stop left them there); what happened, for the audit. Never raises: a box
+    after the sidecar's stop left them there); with `close_run` (its meter settled), also mark its
+    run over on the box as a teardown that saw its sidecar gone does (no controller starts it
+    again, no meter stop there waits for it). What happened, for the audit. Never raises: a box
     out of reach keeps them, and the audit says so."""
-    if not box.durable_credentials:
+    if not box.durable_credentials and not close_run:
         return ""
-    req = {"state_dir": box.state_dir, "pid": 0, "forget": f"{box.state_dir}/{CREDENTIALS_NAME}"}
+    req: dict[str, object] = {"state_dir": box.state_dir, "pid": 0}
+    if box.durable_credentials:
+        req["forget"] = f"{box.state_dir}/{CREDENTIALS_NAME}"
+    if close_run:
+        req["torn_down"] = box.run_id
+    what = " (and its run closed)" if close_run and box.durable_credentials else ""
     try:
         async with link(box) as conn:
             answer = await launch(conn, "gone", req, timeout_s=30)
     except ControllerError as e:
-        return f"not removed from the box: {e}"
-    return "removed from the box" if answer.get("gone") else "kept: a sidecar holds the box's state dir again"
+        return (
+            f"not removed from the box{what}: {e}"
+            if box.durable_credentials
+            else f"run not closed on the box: {e}"
+        )
+    if not answer.get("gone"):
+        return "kept: a sidecar holds the box's state dir again"
+    return f"removed from the box{what}" if box.durable_credentials else "run closed on the box"
 
 
 def record_of(box: Box, profile: Profile, actions: list[str]) -> dict[str, object]:

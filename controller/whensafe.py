@@ -114,7 +114,7 @@ async def follow(
                     listed = "" if word == meterstop.GONE else listed
                 held = []
                 if earlier.held_only:  # asked without an audit record each look
-                    also = await teardown.sidecars_beside_if_reachable(box, profile)
+                    also = await teardown.sidecars_beside_if_reachable(box, profile, state)
                     held = teardown.holding(state, box, also)
                 if not listed and not held:
                     report(f"continuing its teardown: {earlier.describe()}")

@@ -416,12 +416,20 @@ def start(req: Request) -> Request:
         raise usage(
             f"the durable store's credentials are gone from {creds}; give --durable-credentials FILE again"
         )
+    first = not os.path.lexists(cfg_path)
     try:
-        answer = _spawn(req, cfg, findings, cfg_path, log_path)
         try:
-            _open_run(state_dir, cfg, req)
+            answer = _spawn(req, cfg, findings, cfg_path, log_path)
+            try:
+                _open_run(state_dir, cfg, req)
+            except BaseException:
+                _stop(int(answer["started"]))  # no sidecar of a run that is not marked open
+                _close_mark(state_dir, str(cfg.get("runId") or ""))  # nor a mark of it
+                raise
         except BaseException:
-            _stop(int(answer["started"]))  # no sidecar of a run that is not marked open
+            if first:  # a run that never started leaves no config to be taken for one that did
+                with contextlib.suppress(OSError):
+                    os.unlink(cfg_path)
             raise
         return answer
     except BaseException:
@@ -490,16 +498,28 @@ def _last_config(cfg_path: Path) -> Request | None:
 
 def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str], closed_runs: list[str]) -> None:
     """A new sidecar starts on a state dir only if its last run is this one, or one the controller
-    knows (`known_runs`: its record's; `closed_runs`: its own, torn down, never one still open on
-    the box): another controller's run, whose sidecar died, is taken over only with `up --adopt`
-    (its ledger would be rebound to a run it knows nothing of). A run whose teardown closed it on
-    the box is over for everyone."""
+    knows (`known_runs`: its record's; `closed_runs`: its own, torn down): another controller's run,
+    whose sidecar died, is taken over only with `up --adopt` (its ledger would be rebound to a run
+    it knows nothing of). A run whose teardown closed it on the box is over for everyone: it is
+    never started again, whoever asks."""
     last = _last_config(cfg_path) or {}
     run = str(last.get("runId") or "")
+    state_dir = cfg_path.parent / "sidecar"
+    closed = torn_down(state_dir) if open_run(state_dir) is None else ""
+    wanted = str(cfg.get("runId") or "")
+    if closed and wanted == closed:  # whichever controller asks, and whatever its record says
+        raise Refused(
+            "mismatch",
+            f"run {closed} of box {last.get('boxName')!r} was torn down on the box (a teardown closed it; "
+            "what it released may be gone from the box): a run never starts again once torn down. "
+            f"Its durable copies stay where they are (`boxwarden pull NAME --from durable`); a new run "
+            "needs a new run id",
+        )
     if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return
-    state_dir = cfg_path.parent / "sidecar"
-    if open_run(state_dir) is None and (run in closed_runs or torn_down(state_dir) == run):
+    if closed == run or run in closed_runs:
+        # Over: closed on the box, or torn down by this controller from afar (a box gone, its
+        # state dir kept on a durable tier), whose teardown could not reach the box to close it.
         return
     raise Refused(
         "mismatch",
@@ -547,6 +567,13 @@ def _open_run(state_dir: Path, cfg: Request, req: Request) -> None:
         _write_private(roots / hashlib.sha256(boxes_dir.encode()).hexdigest()[:32], boxes_dir.encode())
 
 
+def _close_mark(state_dir: Path, run: str) -> None:
+    """Remove the open-run mark of `run` (one of another run stays)."""
+    opened = open_run(state_dir)
+    if opened is not None and opened.get("run") == run:
+        os.unlink(state_dir / RUN_OPEN)
+
+
 def _registered_roots() -> set[Path]:
     roots = Path(os.path.expanduser(ROOTS))
     try:
@@ -563,13 +590,14 @@ def torn_down(state_dir: Path) -> str:
         return ""
 
 
-def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> tuple[str, str]:
+def _unfinished_box(sidecar_dir: Path, instance: str, local: bool, closed: frozenset[str]) -> tuple[str, str]:
     """Why the box of this state dir may still be at work on this instance ("": its run is over),
     and the run it names:
     its sidecar runs, or its run is open (no teardown closed it, whatever its sidecar did). A run
     open on a durable tier under another instance id is that instance's (a tier outlives them). A
     state dir of an older version, with no open-run mark: a sidecar that ended without a shutdown
-    (its pid file left) and no teardown mark."""
+    (its pid file left) and no teardown mark. `closed`: the runs of this box that the asking
+    controller tore down (from afar, where its teardown could not reach the box to close them)."""
     opened = open_run(sidecar_dir)
     cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
     run = str((opened or {}).get("run") or cfg.get("runId") or "")
@@ -578,6 +606,8 @@ def _unfinished_box(sidecar_dir: Path, instance: str, local: bool) -> tuple[str,
         theirs = str((opened or {}).get("instance") or "")
         named = f" (its controller names the instance {theirs})" if theirs and theirs != instance else ""
         return f"its sidecar runs{named}", run
+    if opened is not None and run in closed:
+        return "", run
     if opened is not None:
         theirs = str(opened.get("instance") or "")
         if not local and theirs and instance and theirs != instance:
@@ -600,6 +630,7 @@ def siblings(req: Request) -> Request:
     their roots are private.)"""
     state_dir = Path(req["state_dir"])
     instance = str(req.get("instance_id") or "")
+    closed = {str(k): frozenset(str(r) for r in v) for k, v in (req.get("closed") or {}).items()}
     own = state_dir.parent.resolve()
     local = Path(os.path.expanduser(ROOTS)).parent.resolve() / "boxes"
     roots = {own.parent} if own.parent.name == "boxes" else set()
@@ -616,7 +647,9 @@ def siblings(req: Request) -> Request:
             sidecar_dir = other / "sidecar"
             if other.resolve() == own or not sidecar_dir.is_dir():
                 continue
-            why, run = _unfinished_box(sidecar_dir, instance, boxes_dir == local)
+            why, run = _unfinished_box(
+                sidecar_dir, instance, boxes_dir == local, closed.get(other.name, frozenset())
+            )
             if why:
                 found[other] = {"name": other.name, "run": run, "why": f"{why}: {other}"}
     entries = sorted(found.values(), key=lambda e: (str(e["name"]), str(e["why"])))
@@ -666,9 +699,7 @@ def gone(req: Request) -> Request:
     if is_gone and req.get("torn_down"):
         # The run is over, for every controller: none adopts it again, no meter waits for it.
         _write_private(state_dir / TORN_DOWN, f"{req['torn_down']}\n".encode())
-        opened = open_run(state_dir)
-        if opened is not None and opened.get("run") == req["torn_down"]:
-            os.unlink(state_dir / RUN_OPEN)
+        _close_mark(state_dir, str(req["torn_down"]))
     return {"gone": is_gone, "holder": held}
 
 

@@ -233,6 +233,9 @@ class Bw:
         self.env = {
             **os.environ,
             "BOXWARDEN_HOME": str(home),
+            # A home of its own: the boxes on this machine name their state roots there
+            # (~/.boxwarden/roots), and one test's boxes are not another's neighbours.
+            "HOME": str(home.with_name(f"{home.name}-user")),
             "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "proto")]),
             "COLUMNS": "200",
         }

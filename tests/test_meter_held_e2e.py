@@ -108,3 +108,39 @@ def test_a_box_at_work_under_another_instance_id_holds_the_stop_until_it_is_down
         assert status_of(bw, "hc01") == "down"
     finally:
         _exit_master(bw, box)
+
+
+def test_another_state_home_on_this_machine_holds_the_stop_of_its_instance(bw: Bw, tmp_path: Path) -> None:
+    """Sixth review: on a box of kind local (the controller runs on the instance it stops), only
+    this controller's records were asked: `down` stopped the instance under a job of a box that
+    another BOXWARDEN_HOME of the same user had there."""
+    from tests.controller.test_meter_stop import calls, fake_profile, provider
+
+    provider(bw, tmp_path, "create", "i-1")
+    profile = fake_profile(tmp_path)
+    other = Bw(tmp_path / "home-b", bw.cwd)
+    other.env.update(HOME=bw.env["HOME"], FAKE_PROVIDER_STATE=bw.env["FAKE_PROVIDER_STATE"])  # one user
+    for c, n in ((bw, "la"), (other, "lb")):
+        (bw.cwd / n).mkdir()
+        c.ok("up", n, "--profile-file", str(profile), "--instance-id", "i-1", "--workdir", str(bw.cwd / n),
+             "--watch", "ckpt")  # fmt: skip
+    try:
+        (bw.cwd / "la" / "ckpt").mkdir(exist_ok=True)
+        (bw.cwd / "la" / "ckpt" / "w.bin").write_bytes(b"la's weights")
+        bw.wait_durable("la", 1)
+        bw.ok("pull", "la", "--to", str(bw.cwd / "p-la"))
+        bw.ok("verify", str(bw.cwd / "p-la"))
+        r = bw("down", "la", "--confirm", "la", "--json")
+        assert r.returncode == 3 and "METER_HELD" in r.stderr and "lb (its sidecar runs" in r.stderr, r.stderr
+        assert ["delete", "i-1"] not in calls(tmp_path)
+        (bw.cwd / "lb" / "ckpt").mkdir(exist_ok=True)
+        (bw.cwd / "lb" / "ckpt" / "w.bin").write_bytes(b"lb's weights")
+        other.wait_durable("lb", 1)
+        other.ok("pull", "lb", "--to", str(bw.cwd / "p-lb"))
+        other.ok("verify", str(bw.cwd / "p-lb"))
+        doc = other.json("down", "lb", "--confirm", "lb")  # la's run is over on the machine: not held
+        assert doc["teardown"]["gone"] is True and calls(tmp_path).count(["delete", "i-1"]) == 1
+        doc = bw.json("down", "la", "--confirm", "la")  # asked again: the instance is gone
+        assert doc["teardown"]["gone"] is True and calls(tmp_path).count(["delete", "i-1"]) == 1
+    finally:
+        other.cleanup()
