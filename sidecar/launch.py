@@ -511,9 +511,10 @@ def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str], closed_runs:
         raise Refused(
             "mismatch",
             f"run {closed} of box {last.get('boxName')!r} was torn down on the box (a teardown closed it; "
-            "what it released may be gone from the box): a run never starts again once torn down. "
-            f"Its durable copies stay where they are (`boxwarden pull NAME --from durable`); a new run "
-            "needs a new run id",
+            "what it released may be gone from the box): a run never starts again once torn down, whoever "
+            "asks. A record that still says it is up is out of date (another controller tore it down). Its "
+            "durable copies stay where they are (`boxwarden pull NAME --from durable`); a new run needs a "
+            "new run id (`--run-id`)",
         )
     if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return

@@ -352,7 +352,7 @@ def test_a_continued_teardown_takes_the_stores_credentials_off_the_box(
     doc = bw.json("down", NAME, "--confirm", NAME)
     assert doc["teardown"]["gone"] is True
     assert not on_box.exists()
-    assert audit(bw)[-1]["credentials"] == "removed from the box"
+    assert audit(bw)[-1]["credentials"] == "removed from the box (and its run closed)"
 
 
 def test_the_meter_waits_for_every_box_whose_sidecar_may_still_run_on_the_instance(
