@@ -260,13 +260,17 @@ async def tear_down(
 
     # All at once: a local box's helpers run in "/" (LocalConnector.run), so one box's release
     # never takes another teardown's launcher for a stray.
-    outcomes = list(await asyncio.gather(*(one(b) for b in fleet)))
-    # A box whose meter stop was held back by another box of the fleet on its instance is down
-    # once the last of them proved the instance's stop (teardown.close_held).
+    return list(await asyncio.gather(*(one(b) for b in fleet)))
+
+
+def closed_meanwhile(state: State, outcomes: list[DownOutcome]) -> list[DownOutcome]:
+    """The outcomes as they stand now: a box refused because its meter stop was held (by this run
+    or an earlier `down`) is down once another box of the run proved the stop of its instance
+    (teardown.close_held)."""
     for o in outcomes:
-        if o.outcome == REFUSED and teardown.HELD_CODE in o.codes and state.get(o.box).status == "down":
+        if o.outcome == REFUSED and state.get(o.box).status == "down":
             o.outcome, o.error = TORN_DOWN, ""
             o.reasons = [
-                Reason(teardown.HELD_CODE, detail=f"{o.reasons[0].detail}: stopped with the last of them")
+                Reason(teardown.HELD_CODE, detail="held, then stopped with the last box on its instance")
             ]
     return outcomes

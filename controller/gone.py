@@ -163,7 +163,7 @@ async def down(
             raise GateRefused(
                 f"the sidecar of {box.name} answers now; the meter was not touched", [answers_reason(box)]
             )
-        state.step(tearing, teardown.SIDECAR_GONE, "does not answer; gone by the user's word (--box-gone)")
+        state.step(tearing, teardown.SIDECAR_GONE, teardown.GONE_BY_WORD)
         retry = earlier is not None and earlier.meter_stop_sent
         await teardown.meter_step(state, box, profile, result, manual_done, retry=retry, send=True)
         result.sidecar_gone = True  # the user's word, and no answer (checked again just below)

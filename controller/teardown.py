@@ -45,6 +45,8 @@ METER_HELD = "meter_held"
 The box stays unfinished until a stop of its instance is proven (its own `down` again, or the last
 of them)."""
 STEP_ORDER = (RELEASE, SHUTDOWN, SIDECAR_GONE, METER_HELD, METER_STOP)
+GONE_BY_WORD = "does not answer; gone by the user's word (--box-gone)"
+"""The SIDECAR_GONE step of a teardown of a box proven gone (controller.gone): its host is gone too."""
 # What stays true of the box once a sidecar answers `up` again: its meter stop may have been sent
 # (the next stop polls first). The other steps were taken on a sidecar that is not the one watching.
 KEPT_BY_UP = (METER_STOP, RELEASE)
@@ -364,10 +366,18 @@ async def retry_meter(
             # steps without a gate; an `argv` stop polls the provider first and sends nothing
             # again without --resend-stop.
             raise unfinished_refusal(box, u, resend=False)
-        also = await sidecars_beside_if_reachable(box, profile, state)
         # A stop only held back by other boxes on the instance was never sent: the gate passed and
-        # the sidecar was seen gone, so it is sent now that none is left (the poll first).
+        # the sidecar was seen gone, so it is sent now that none is left (the poll first). A stop
+        # that would only poll asks nobody; one that would send (or show) asks the box who else is
+        # at work there.
         send = resend_stop or u.held_only
+        also: list[str] = []
+        if send or ms.mode == "manual":
+            # (a box proven gone, or one the user says is being destroyed: no link is nobody there)
+            gone = SIDECAR_GONE in u.steps and u.steps[SIDECAR_GONE].detail == GONE_BY_WORD
+            also = await sidecars_beside_if_reachable(
+                box, profile, state, destroyed_anyway=resend_stop or gone
+            )
         settled = False
         try:
             meter = await meter_step(
@@ -401,8 +411,17 @@ async def meter_step(
     (MeterHeld): its next `down` asks again and sends the stop once none is left, and a stop of the
     instance that another box's teardown proves closes it. `also`: boxes the box itself says are at
     work there (another controller's too)."""
-    sharing = holding(state, box, also)
     ms = profile.meter_stop
+    if retry and ms.mode == "argv":
+        # Gone already (another box's stop, the provider's own end): nothing is sent, nothing held.
+        word, said = await meterstop.provider_says(profile, box)
+        if word == meterstop.GONE:
+            result.meter = MeterResult(mode=ms.mode, verb=ms.verb, gone=True, polls=1, last_poll=said)
+            result.meter.detail = f"gone: the provider's poll showed it ({said}; nothing sent again)"
+            close_held(state, box, result.meter)
+            return result.meter
+    acts = send or ms.mode == "manual"  # (a retry that only polls sends nothing anyone could be under)
+    sharing = holding(state, box, also) if acts else []
     if sharing and ms.mode != "none":
         result.meter = MeterResult(mode=ms.mode, verb=ms.verb, shared_with=sharing, detail="held")
         detail = "; ".join(sharing)
@@ -439,8 +458,8 @@ def held_refusal(box: Box, holders: str) -> MeterHeld:
     n = box.name
     return MeterHeld(
         f"the meter of {n} was NOT stopped: other boxes are still at work on instance "
-        f"{box.instance_id or '(none named)'}, whose meter it is ({holders}). {n} is released and its "
-        f"sidecar is gone; its teardown is unfinished until the meter stops. Once they are down, "
+        f"{box.instance_id or '(none named)'}, whose meter it is ({holders}). Every step of the teardown "
+        f"of {n} before the meter stop is done; it is unfinished until the meter stops. Once they are down, "
         f"`boxwarden down {n} --confirm {n}` asks the box again and stops the meter (a box no "
         "controller of yours knows stays at work there until you deal with it on the box)",
         [Reason(HELD_CODE, detail=holders)],
@@ -449,11 +468,15 @@ def held_refusal(box: Box, holders: str) -> MeterHeld:
 
 def close_held(state: State, box: Box, meter: MeterResult) -> None:
     """The meter of `box`'s instance is proven stopped (or the user did the console steps): this
-    controller's boxes whose stop was only held back on that instance are down with it."""
-    if not box.instance_id:
+    controller's boxes whose stop was only held back on that instance are down with it. The same
+    instance means the same id under the same profile text (the same stop, the same provider and
+    account); a box of any other is left held, and its own `down` asks its own provider."""
+    if not box.instance_id or not box.profile_digest or meter.mode == "none":
         return
     for b in state.boxes():
         if b.name == box.name or b.status == "down" or b.instance_id != box.instance_id:
+            continue
+        if b.profile_digest != box.profile_digest:
             continue
         u = unfinished(state, b)
         if u is None or not u.held_only:
@@ -495,7 +518,8 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: St
     meter stop. The runs this controller tore down are over, wherever the box still shows them open
     (a teardown of a gone box could not reach it to close them)."""
     roots = [remote.STATE_ROOT, *(f"{t.path.rstrip('/')}/.boxwarden" for t in profile.storage)]
-    closed = {b.name: sorted(state.torn_down_runs(b.name)) for b in state.boxes()}
+    # (by state dir: another controller's box of the same name and run id elsewhere is not these)
+    closed = {b.state_dir: sorted(runs) for b in state.boxes() if (runs := state.torn_down_runs(b.name))}
     req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id, "closed": closed}
     try:
         answer = await launch(conn, "siblings", req, timeout_s=30)
@@ -507,9 +531,12 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: St
     return [f"{e['name']} ({e['why']})" for e in entries]
 
 
-async def sidecars_beside_if_reachable(box: Box, profile: Profile, state: State) -> list[str]:
-    """As sidecars_beside, for a teardown continued without its sidecar: the host may be gone with
-    the box, and then nothing there can be at work (a link that cannot open says nothing)."""
+async def sidecars_beside_if_reachable(
+    box: Box, profile: Profile, state: State, *, destroyed_anyway: bool = False
+) -> list[str]:
+    """As sidecars_beside, for a teardown continued without its sidecar. A host no link reaches
+    cannot say who is at work there (its sshd stopped, a firewall): that holds the stop, unless the
+    user said the box is being destroyed anyway (`--resend-stop`: `destroyed_anyway`)."""
     if not box.host:
         async with link(box) as conn:
             return await sidecars_beside(conn, box, profile, state)
@@ -519,8 +546,10 @@ async def sidecars_beside_if_reachable(box: Box, profile: Profile, state: State)
             return await sidecars_beside(conn, box, profile, state)
     except ControllerError as e:
         kind, said = await absence.host_reach(box)  # (a login refused is a host that answers)
-        if kind == absence.NO_LINK:
+        if kind == absence.NO_LINK and destroyed_anyway:
             return []
+        if kind == absence.NO_LINK:
+            return [f"(no link reaches the host ({said}): it cannot say which boxes run beside {box.name})"]
         if kind == absence.CANNOT_TELL:
             return [f"(this machine cannot tell whether the host is there ({said}), so it cannot say which "
                     f"boxes run beside {box.name}: {e})"]  # fmt: skip

@@ -113,7 +113,14 @@ async def follow(
                     word, listed = await meterstop.provider_says(profile, box)
                     listed = "" if word == meterstop.GONE else listed
                 held = []
-                if earlier.held_only:  # asked without an audit record each look
+                argv = profile.meter_stop.mode == "argv"
+                ended = (
+                    argv
+                    and earlier.held_only
+                    and (await meterstop.provider_says(profile, box))[0] == meterstop.GONE
+                )
+                if earlier.held_only and not ended:
+                    # (asked without an audit record each look; an instance gone already holds nothing)
                     also = await teardown.sidecars_beside_if_reachable(box, profile, state)
                     held = teardown.holding(state, box, also)
                 if not listed and not held:

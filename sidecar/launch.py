@@ -505,12 +505,12 @@ def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str], closed_runs:
     last = _last_config(cfg_path) or {}
     run = str(last.get("runId") or "")
     state_dir = cfg_path.parent / "sidecar"
-    closed = torn_down(state_dir) if open_run(state_dir) is None else ""
+    closed = torn_down(state_dir) - {str((open_run(state_dir) or {}).get("run") or "")}
     wanted = str(cfg.get("runId") or "")
-    if closed and wanted == closed:  # whichever controller asks, and whatever its record says
+    if wanted in closed:  # whichever controller asks, and whatever its record says
         raise Refused(
             "mismatch",
-            f"run {closed} of box {last.get('boxName')!r} was torn down on the box (a teardown closed it; "
+            f"run {wanted} of box {last.get('boxName')!r} was torn down on the box (a teardown closed it; "
             "what it released may be gone from the box): a run never starts again once torn down, whoever "
             "asks. A record that still says it is up is out of date (another controller tore it down). Its "
             "durable copies stay where they are (`boxwarden pull NAME --from durable`); a new run needs a "
@@ -518,7 +518,7 @@ def _own_state(cfg_path: Path, cfg: Request, known_runs: list[str], closed_runs:
         )
     if not run or run in known_runs:  # (asking for the same run id is no claim to it: a record is)
         return
-    if closed == run or run in closed_runs:
+    if run in closed or run in closed_runs:
         # Over: closed on the box, or torn down by this controller from afar (a box gone, its
         # state dir kept on a durable tier), whose teardown could not reach the box to close it.
         return
@@ -536,12 +536,14 @@ def config(req: Request) -> Request:
     sidecar holds the state dir now."""
     cfg_path = Path(req["config_path"])
     state_dir = cfg_path.parent / "sidecar"
-    closed = torn_down(state_dir) if open_run(state_dir) is None else ""
-    return {"config": _last_config(cfg_path), "running": holder(state_dir), "torn_down": closed}
+    last = _last_config(cfg_path)
+    run = str((last or {}).get("runId") or "")
+    closed = run if open_run(state_dir) is None and run in torn_down(state_dir) else ""
+    return {"config": last, "running": holder(state_dir), "torn_down": closed}
 
 
 TORN_DOWN = "torn-down"
-"""In a state dir: the run id whose teardown saw its sidecar gone (written by the `gone` verb)."""
+"""In a state dir: the run ids whose teardown saw their sidecar gone, one per line (the `gone` verb)."""
 RUN_OPEN = "run-open"
 """In a state dir: the run a sidecar was started for, until its teardown closes it (JSON: run, box,
 instance). Whatever its sidecar does (runs, stopped, killed), the run is not over until then."""
@@ -583,12 +585,13 @@ def _registered_roots() -> set[Path]:
         return set()
 
 
-def torn_down(state_dir: Path) -> str:
-    """The run whose teardown ended the state dir's last sidecar ("": none said so)."""
+def torn_down(state_dir: Path) -> set[str]:
+    """The runs whose teardown ended a sidecar of the state dir (one per line; an older version
+    kept only the last)."""
     try:
-        return (state_dir / TORN_DOWN).read_text().strip()
+        return set((state_dir / TORN_DOWN).read_text().split())
     except (OSError, UnicodeDecodeError):
-        return ""
+        return set()
 
 
 def _unfinished_box(sidecar_dir: Path, instance: str, local: bool, closed: frozenset[str]) -> tuple[str, str]:
@@ -616,7 +619,7 @@ def _unfinished_box(sidecar_dir: Path, instance: str, local: bool, closed: froze
         # (On this disk it is on this instance, whatever id its controller gave it.)
         named = f" (its controller names the instance {theirs})" if theirs and theirs != instance else ""
         return f"run {run} never torn down{named}; its sidecar does not run", run
-    if run and torn_down(sidecar_dir) == run:
+    if run and run in torn_down(sidecar_dir):
         return "", run
     if (sidecar_dir / "sidecar.pid").exists():
         return "its sidecar ended without a shutdown and no teardown closed its run", run
@@ -631,7 +634,9 @@ def siblings(req: Request) -> Request:
     their roots are private.)"""
     state_dir = Path(req["state_dir"])
     instance = str(req.get("instance_id") or "")
-    closed = {str(k): frozenset(str(r) for r in v) for k, v in (req.get("closed") or {}).items()}
+    closed = {
+        expand(str(k)).resolve(): frozenset(str(r) for r in v) for k, v in (req.get("closed") or {}).items()
+    }
     own = state_dir.parent.resolve()
     local = Path(os.path.expanduser(ROOTS)).parent.resolve() / "boxes"
     roots = {own.parent} if own.parent.name == "boxes" else set()
@@ -649,7 +654,7 @@ def siblings(req: Request) -> Request:
             if other.resolve() == own or not sidecar_dir.is_dir():
                 continue
             why, run = _unfinished_box(
-                sidecar_dir, instance, boxes_dir == local, closed.get(other.name, frozenset())
+                sidecar_dir, instance, boxes_dir == local, closed.get(sidecar_dir.resolve(), frozenset())
             )
             if why:
                 found[other] = {"name": other.name, "run": run, "why": f"{why}: {other}"}
@@ -699,7 +704,8 @@ def gone(req: Request) -> Request:
         _forget(forget)  # the teardown's last look: the store's credentials leave with the sidecar
     if is_gone and req.get("torn_down"):
         # The run is over, for every controller: none adopts it again, no meter waits for it.
-        _write_private(state_dir / TORN_DOWN, f"{req['torn_down']}\n".encode())
+        runs = sorted(torn_down(state_dir) | {str(req["torn_down"])})  # every one: none starts again
+        _write_private(state_dir / TORN_DOWN, "".join(f"{r}\n" for r in runs).encode())
         _close_mark(state_dir, str(req["torn_down"]))
     return {"gone": is_gone, "holder": held}
 

@@ -175,3 +175,46 @@ def test_a_start_that_fails_leaves_no_open_run_and_no_config(
     r = bw("up", "b", *local, "--workdir", str(bw.cwd / "b"), "--metrics-port", str(port))
     assert r.returncode != 0 and not (bw.home / "boxes/b/sidecar.json").exists(), r.stderr
     bw.ok("up", "b", *local, "--workdir", str(bw.cwd / "b"), "--metrics-port", str(other))
+
+
+def test_every_run_torn_down_in_a_state_dir_stays_over(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Seventh review: the box kept only its last torn-down run; another controller's `up --run-id`
+    of an older one started it again over the copies this controller had proven."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    up = (
+        "up",
+        "h1",
+        "--profile-file",
+        str(remote.profile),
+        "--host",
+        "h1",
+        "--instance-id",
+        "i-h1",
+        "--watch",
+        "ckpt",
+    )
+    b = second_controller(remote, tmp_path)
+    try:
+        for run in ("exp1", "exp2"):
+            remote.provider("create", "i-h1", "--linger", "1")
+            if run == "exp1":
+                remote.up(box, "--run-id", run, seeded=True)
+            else:
+                assert a(*up, "--run-id", run, "--json", timeout=300).returncode == 0
+            write_as_box(box, "ckpt/a.bin", f"A's {run} weights")
+            a.wait_durable("h1", 1)
+            a.ok("pull", "h1", "--to", str(a.cwd / f"p{run}"))
+            a.ok("verify", str(a.cwd / f"p{run}"))
+            assert a("down", "h1", "--confirm", "h1", "--json", timeout=200).returncode == 0
+        remote.provider("create", "i-h1", "--linger", "1")
+        r = b(*up, "--run-id", "exp1", "--json", timeout=300)
+        assert r.returncode == 3 and "run exp1 of box 'h1' was torn down on the box" in r.stderr, r.stderr
+        stored = sorted(p.read_text() for p in (box.home / "boxwarden" / "h1" / "exp1").rglob("a.bin"))
+        assert stored == ["A's exp1 weights"], stored
+    finally:
+        _exit_master(a, box)
+        _exit_master(b, box)

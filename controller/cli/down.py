@@ -449,6 +449,7 @@ def _down_all(dry_run: bool, confirm_count: int | None, accept_server_checksum: 
         )
     shown = {o.box for o in outcomes if o.outcome != fleetops.ALLOWED}
     outcomes = sorted([*(o for o in outcomes if o.box not in passing), *done], key=lambda o: o.box)
+    outcomes = fleetops.closed_meanwhile(state, outcomes)
     if not as_json:
         render.fleet_down_report(outcomes, shown=shown)
     _done_all(outcomes, dry_run=False, problem="", as_json=as_json)
