@@ -62,9 +62,12 @@ typecheck: $(STAMP)
 test: $(STAMP) sysdeps
 	$(BIN)/python -m pytest -q -n 4 --dist worksteal
 
-# kill -9 at random moments of pushes, 50 times per durable backend (file://, s3://).
+# The long randomized runs (.ci/run runs them after `make test`, which runs fewer of each): kill -9
+# at random moments of pushes, 50 times per durable backend (file://, s3://); 100 generated trees
+# through the whole lifecycle.
 crash: $(STAMP) sysdeps
-	BOXWARDEN_CRASH_ROUNDS=50 $(BIN)/python -m pytest -q -n 2 tests/sidecar/test_crash.py \
+	BOXWARDEN_CRASH_ROUNDS=50 BOXWARDEN_TREE_EXAMPLES=100 $(BIN)/python -m pytest -q -n 2 \
+	    tests/sidecar/test_crash.py tests/test_tree_invariant.py::test_every_file_is_pulled_or_named \
 	    "tests/test_s3_store.py::test_kill9_while_pushing_to_a_bucket_never_leaves_a_false_durable_claim_nor_an_upload"
 
 test-gpu: $(STAMP)

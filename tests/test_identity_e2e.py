@@ -43,13 +43,25 @@ C, D = BASE + "-node-0001", BASE + "-node-0002"  # 60 each: equal but for their 
 
 
 def up_as(rem: Remote, box: Box, name: str, *extra: str, bw: Bw | None = None, code: int = 0) -> Any:
-    """`up NAME --host <box>`: a box name of its own on the box's host."""
-    r = (bw or rem.bw)(
+    """`up NAME --host <box>`: a box name of its own on the box's host (its venv from the session's
+    template: these tests are not about the install)."""
+    with rem.seeding(box) as seeded:
+        if not seeded:  # no template yet: this `up` installs it, and offers it to the others
+            r = _up_as(rem, box, name, *extra, bw=bw)
+            rem.template.offer(box)
+    if seeded:
+        r = _up_as(rem, box, name, *extra, bw=bw)
+    assert r.returncode == code, f"up {name} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
+    return json.loads(r.stdout) if code == 0 else r
+
+
+def _up_as(
+    rem: Remote, box: Box, name: str, *extra: str, bw: Bw | None = None
+) -> subprocess.CompletedProcess[str]:
+    return (bw or rem.bw)(
         "up", name, "--profile-file", str(rem.profile), "--host", box.alias,
         "--instance-id", f"i-{name[-4:]}", *extra, "--json", timeout=300,
     )  # fmt: skip
-    assert r.returncode == code, f"up {name} exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
-    return json.loads(r.stdout) if code == 0 else r
 
 
 def bucket_box(rem: Remote, s3: S3Server, name: str, creds: Path) -> tuple[Box, dict[str, Any]]:

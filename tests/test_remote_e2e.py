@@ -11,6 +11,7 @@ so `up` finds it complete and goes straight to starting the sidecar."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -83,6 +84,8 @@ class VenvTemplate:
         src = self.dir / digest
         if not (src / ".complete").exists():
             return False
+        if (box.home / ".boxwarden" / "venvs" / digest / ".complete").exists():
+            return True  # seeded (or installed) already
         state = box.home / ".boxwarden"
         venvs = state / "venvs"
         for d in (state, venvs):  # as the real install leaves them: the box user's, 0755
@@ -131,19 +134,27 @@ class Remote:
         this `up` installs it for real and its venv becomes the template."""
         if code != 0:
             return self._up(box, extra, code)
-        digest = _wheelhouse(box, self.wheel_cache).digest
         if seeded:
-            with exclusive(self.template.lock):
-                if not self.template.seed(box, digest):
+            with self.seeding(box) as seeded_now:
+                if not seeded_now:
                     out = self._up(box, extra, code)  # the others wait for this venv
                     self.template.offer(box)
                     return out
             return self._up(box, extra, code)
+        _wheelhouse(box, self.wheel_cache)  # (built once per session, before any real install)
         out = self._up(box, extra, code)
         with exclusive(self.template.lock, wait=False) as mine:
             if mine:
                 self.template.offer(box)
         return out
+
+    @contextlib.contextmanager
+    def seeding(self, box: Box) -> Iterator[bool]:
+        """Give `box` the session's venv template (True), or, with none yet, hold the template's
+        lock while the caller installs one for real (False) and offers it."""
+        digest = _wheelhouse(box, self.wheel_cache).digest
+        with exclusive(self.template.lock):
+            yield self.template.seed(box, digest)
 
     def _up(self, box: Box, extra: tuple[str, ...], code: int) -> dict[str, Any]:
         args = ("up", box.alias, "--profile-file", str(self.profile), "--host", box.alias)

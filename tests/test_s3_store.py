@@ -388,7 +388,7 @@ def test_a_sidecar_proves_its_copies_in_the_bucket_and_its_credentials_never_sho
     assert uploads(s3, bucket) == []
 
 
-KILLS = int(os.environ.get("BOXWARDEN_CRASH_ROUNDS", "5"))  # `make crash`: 50, as the issue asks
+KILLS = int(os.environ.get("BOXWARDEN_CRASH_ROUNDS", "3"))  # `make crash`: 50, as the issue asks
 
 
 def test_kill9_while_pushing_to_a_bucket_never_leaves_a_false_durable_claim_nor_an_upload(

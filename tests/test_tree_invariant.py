@@ -544,7 +544,7 @@ EVERY_CLAIMABLE_KIND = Tree(
 @example(tree=EVERY_HOSTILE_KIND)
 @example(tree=EVERY_CLAIMABLE_KIND)
 @settings(
-    max_examples=25,
+    max_examples=int(os.environ.get("BOXWARDEN_TREE_EXAMPLES", "12")),  # `make crash`: 100
     deadline=None,
     derandomize=True,
     database=None,

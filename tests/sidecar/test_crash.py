@@ -15,7 +15,7 @@ import blake3
 
 from tests.sidecar.daemon import make_daemon
 
-ROUNDS = int(os.environ.get("BOXWARDEN_CRASH_ROUNDS", "10"))
+ROUNDS = int(os.environ.get("BOXWARDEN_CRASH_ROUNDS", "6"))
 """Kills per run. `make crash` (and .ci/run) runs the 50 per backend the durable-storage issue asks
 for; `make test` runs fewer, to stay within its time."""
 SIZE = 24 << 20
