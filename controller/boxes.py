@@ -605,6 +605,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         metrics_port=spec.health.metrics_port or 0,
         price_per_hour=spec.price_per_hour,
     )
+    await _instance_listed(prof, box)
     # Health settings the running sidecar does not have: it is restarted to read them (its jobs
     # and queues go on).
     reconfigure = live is not None and HealthOptions.of(live) != spec.health
@@ -642,6 +643,23 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
     # claims. A later `down` goes through the gate; only a meter stop already sent is remembered.
     state.set_teardown(box, teardown.kept_by_up(state.teardown_steps(name)))
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
+
+
+async def _instance_listed(prof: profiles.Profile, box: Box) -> None:
+    """Where the profile can ask its provider, the instance must be one it lists now: `down` takes
+    its later "not found" for "gone", which says nothing of an id the provider never had (a typo,
+    another account or region)."""
+    if prof.meter_stop.mode != "argv":
+        return
+    word, said = await meterstop.provider_says(prof, box)
+    if word == meterstop.LISTED:
+        return
+    what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
+    raise UsageError(
+        f"the provider {what} ({said}): `down {box.name}` would stop and poll instance "
+        f"{box.instance_id}, so it must be one the provider lists now. Check --instance-id (and the provider "
+        "CLI's account or region), then run `up` again"
+    )
 
 
 RESERVED_WATCH_NAMES = RESERVED_NAMES | {PARTS_DIR, REPLACED_DIR} | durable_url.STORE_NAMES

@@ -268,7 +268,9 @@ def closed_meanwhile(state: State, outcomes: list[DownOutcome]) -> list[DownOutc
     or an earlier `down`) is down once another box of the run proved the stop of its instance
     (teardown.close_held)."""
     for o in outcomes:
-        if o.outcome == REFUSED and state.get(o.box).status == "down":
+        last = state.last_audit(o.box) or {}
+        closed = bool((last.get("result") or {}).get("stopped_by"))  # (written by teardown.close_held)
+        if o.outcome == REFUSED and closed and state.get(o.box).status == "down":
             o.outcome, o.error = TORN_DOWN, ""
             o.reasons = [
                 Reason(teardown.HELD_CODE, detail="held, then stopped with the last box on its instance")

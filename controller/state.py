@@ -375,13 +375,24 @@ class State:
 
     def torn_down_runs(self, box: str) -> set[str]:
         """The runs of `box` a teardown took down (as far as its audit records name their run)."""
+        return {run for run, _ in self.torn_down(box)}
+
+    def torn_down(self, box: str) -> set[tuple[str, str]]:
+        """The runs of `box` a teardown took down, each with the instance it ran on."""
         rows = self._db.execute("SELECT record FROM teardowns WHERE box = ?", (box,)).fetchall()
         runs = set()
         for (record,) in rows:
             doc = json.loads(record)
             if doc.get("run_id") and (doc.get("result") or {}).get("gone"):
-                runs.add(str(doc["run_id"]))
+                runs.add((str(doc["run_id"]), str(doc.get("instance_id") or "")))
         return runs
+
+    def last_audit(self, box: str) -> dict[str, Any] | None:
+        """The box's last teardown record (None: none)."""
+        row = self._db.execute(
+            "SELECT record FROM teardowns WHERE box = ? ORDER BY at_ns DESC, rowid DESC LIMIT 1", (box,)
+        ).fetchone()
+        return dict(json.loads(row[0])) if row else None
 
     def last_audit_ns(self, box: str) -> int:
         """When the box's last teardown record was written (0: never)."""

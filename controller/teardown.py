@@ -194,7 +194,7 @@ def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: 
     if sent is not None:
         head = f"the meter stop of {box.name} was sent at {when(sent.at_ns)} but never proven"
     elif u.held_only:
-        return held_refusal(box, u.steps[METER_HELD].detail)
+        return held_refusal(box, u.steps[METER_HELD].detail, resend=resend)
     else:
         head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
     poll = f"; the provider's poll does not say it is gone ({poll_said})" if poll_said else ""
@@ -418,7 +418,7 @@ async def meter_step(
         if word == meterstop.GONE:
             result.meter = MeterResult(mode=ms.mode, verb=ms.verb, gone=True, polls=1, last_poll=said)
             result.meter.detail = f"gone: the provider's poll showed it ({said}; nothing sent again)"
-            close_held(state, box, result.meter)
+            close_held(state, box, profile, result.meter)
             return result.meter
     acts = send or ms.mode == "manual"  # (a retry that only polls sends nothing anyone could be under)
     sharing = holding(state, box, also) if acts else []
@@ -426,7 +426,7 @@ async def meter_step(
         result.meter = MeterResult(mode=ms.mode, verb=ms.verb, shared_with=sharing, detail="held")
         detail = "; ".join(sharing)
         state.step(box.with_(status="meter-unproven"), METER_HELD, detail)
-        raise held_refusal(box, detail)
+        raise held_refusal(box, detail, resend=ms.mode == "argv")
     try:
         result.meter = await meterstop.stop_meter(
             profile,
@@ -439,7 +439,7 @@ async def meter_step(
         held = result.meter.mode == "argv" and not result.meter.gone and not result.meter.sent
         if not held:  # held: still there and not sent again; the caller refuses
             meterstop.require_stopped(result.meter)
-            close_held(state, box, result.meter)
+            close_held(state, box, profile, result.meter)
         return result.meter
     except BaseException:
         if METER_STOP in state.teardown_steps(box.name):
@@ -454,19 +454,43 @@ def holding(state: State, box: Box, also: Sequence[str] = ()) -> list[str]:
     return [*known, *(n for n in also if n.partition(" ")[0] not in known)]
 
 
-def held_refusal(box: Box, holders: str) -> MeterHeld:
+def unsure(holders: str) -> bool:
+    """Whether every holder is only a host that could not say who is at work there (an entry in
+    parentheses), none a box known to be at work."""
+    return all(h.startswith("(") for h in holders.split("; "))
+
+
+def held_refusal(box: Box, holders: str, *, resend: bool) -> MeterHeld:
+    """`resend`: the profile has a stop command that `--resend-stop` could send."""
     n = box.name
+    instance = box.instance_id or "(none named)"
+    done = (
+        f"Every step of the teardown of {n} before the meter stop is done; it is unfinished until the meter "
+        "stops."
+    )
+    if unsure(holders):
+        return MeterHeld(
+            f"the meter of {n} was NOT stopped: the host could not say whether other boxes are at work on "
+            f"instance {instance}, whose meter it is {holders}. {done} `boxwarden down {n} --confirm {n}` "
+            "again asks the provider first (an instance gone already is closed), then the host"
+            + (
+                f". If you know the instance is being destroyed anyway, `boxwarden down {n} --confirm {n} "
+                "--resend-stop` sends the stop without asking (the audit record says so)"
+                if resend
+                else ""
+            ),
+            [Reason(HELD_CODE, detail=holders)],
+        )
     return MeterHeld(
-        f"the meter of {n} was NOT stopped: other boxes are still at work on instance "
-        f"{box.instance_id or '(none named)'}, whose meter it is ({holders}). Every step of the teardown "
-        f"of {n} before the meter stop is done; it is unfinished until the meter stops. Once they are down, "
-        f"`boxwarden down {n} --confirm {n}` asks the box again and stops the meter (a box no "
-        "controller of yours knows stays at work there until you deal with it on the box)",
+        f"the meter of {n} was NOT stopped: other boxes are still at work on instance {instance}, whose "
+        f"meter it is ({holders}). {done} Once they are down, `boxwarden down {n} --confirm {n}` asks the "
+        "box again and stops the meter (a box no controller of yours knows stays at work there until you "
+        "deal with it on the box)",
         [Reason(HELD_CODE, detail=holders)],
     )
 
 
-def close_held(state: State, box: Box, meter: MeterResult) -> None:
+def close_held(state: State, box: Box, profile: Profile, meter: MeterResult) -> None:
     """The meter of `box`'s instance is proven stopped (or the user did the console steps): this
     controller's boxes whose stop was only held back on that instance are down with it. The same
     instance means the same id under the same profile text (the same stop, the same provider and
@@ -476,8 +500,10 @@ def close_held(state: State, box: Box, meter: MeterResult) -> None:
     for b in state.boxes():
         if b.name == box.name or b.status == "down" or b.instance_id != box.instance_id:
             continue
-        if b.profile_digest != box.profile_digest:
-            continue
+        if b.profile_digest != box.profile_digest or meterstop.plan(profile, b) != meterstop.plan(
+            profile, box
+        ):
+            continue  # (a stop filled from the box's name too is another stop)
         u = unfinished(state, b)
         if u is None or not u.held_only:
             continue
@@ -518,8 +544,13 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: St
     meter stop. The runs this controller tore down are over, wherever the box still shows them open
     (a teardown of a gone box could not reach it to close them)."""
     roots = [remote.STATE_ROOT, *(f"{t.path.rstrip('/')}/.boxwarden" for t in profile.storage)]
-    # (by state dir: another controller's box of the same name and run id elsewhere is not these)
-    closed = {b.state_dir: sorted(runs) for b in state.boxes() if (runs := state.torn_down_runs(b.name))}
+    # (by state dir and instance: another controller's run of the same name and id, in a state dir
+    # of the same path on another machine or instance, is not one of these)
+    closed = {
+        b.state_dir: [list(r) for r in sorted(runs)]
+        for b in state.boxes()
+        if (runs := state.torn_down(b.name))
+    }
     req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id, "closed": closed}
     try:
         answer = await launch(conn, "siblings", req, timeout_s=30)

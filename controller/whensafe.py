@@ -177,10 +177,10 @@ def _closed_with_instance(box: Box) -> teardown.TeardownResult:
 
 
 def _held(box: Box, holders: list[str]) -> str:
-    return (
-        f"the other boxes at work on instance {box.instance_id} to go down, whose meter it is too "
-        f"({'; '.join(holders)})"
-    )
+    said = "; ".join(holders)
+    if teardown.unsure(said):
+        return f"the host to say who else is at work on instance {box.instance_id}, whose meter it is {said}"
+    return f"the other boxes at work on instance {box.instance_id} to go down, whose meter it is too ({said})"
 
 
 async def _evidence(state: State, box: Box, pull_to: Path, allow_empty: bool) -> list[str]:

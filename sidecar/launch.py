@@ -594,14 +594,17 @@ def torn_down(state_dir: Path) -> set[str]:
         return set()
 
 
-def _unfinished_box(sidecar_dir: Path, instance: str, local: bool, closed: frozenset[str]) -> tuple[str, str]:
+def _unfinished_box(
+    sidecar_dir: Path, instance: str, local: bool, closed: frozenset[tuple[str, str]]
+) -> tuple[str, str]:
     """Why the box of this state dir may still be at work on this instance ("": its run is over),
     and the run it names:
     its sidecar runs, or its run is open (no teardown closed it, whatever its sidecar did). A run
     open on a durable tier under another instance id is that instance's (a tier outlives them). A
     state dir of an older version, with no open-run mark: a sidecar that ended without a shutdown
     (its pid file left) and no teardown mark. `closed`: the runs of this box that the asking
-    controller tore down (from afar, where its teardown could not reach the box to close them)."""
+    controller tore down (from afar, where its teardown could not reach the box to close them),
+    each with the instance it ran on."""
     opened = open_run(sidecar_dir)
     cfg = _last_config(sidecar_dir.parent / "sidecar.json") or {}
     run = str((opened or {}).get("run") or cfg.get("runId") or "")
@@ -610,7 +613,7 @@ def _unfinished_box(sidecar_dir: Path, instance: str, local: bool, closed: froze
         theirs = str((opened or {}).get("instance") or "")
         named = f" (its controller names the instance {theirs})" if theirs and theirs != instance else ""
         return f"its sidecar runs{named}", run
-    if opened is not None and run in closed:
+    if opened is not None and (run, str(opened.get("instance") or "")) in closed:
         return "", run
     if opened is not None:
         theirs = str(opened.get("instance") or "")
@@ -635,7 +638,8 @@ def siblings(req: Request) -> Request:
     state_dir = Path(req["state_dir"])
     instance = str(req.get("instance_id") or "")
     closed = {
-        expand(str(k)).resolve(): frozenset(str(r) for r in v) for k, v in (req.get("closed") or {}).items()
+        expand(str(k)).resolve(): frozenset((str(r[0]), str(r[1])) for r in v if len(r) == 2)
+        for k, v in (req.get("closed") or {}).items()
     }
     own = state_dir.parent.resolve()
     local = Path(os.path.expanduser(ROOTS)).parent.resolve() / "boxes"

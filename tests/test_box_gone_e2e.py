@@ -23,7 +23,7 @@ from typing import Any
 import blake3
 
 from tests.conftest import Bw, pid_alive, save_weights, wait_until
-from tests.controller.test_meter_stop import audit, fake_profile, provider
+from tests.controller.test_meter_stop import FAKE, audit, fake_profile, provider
 from tests.s3server import S3Server, write_credentials
 from tests.sshbox import Box, free_port
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
@@ -399,11 +399,13 @@ def test_a_provider_that_cannot_be_asked_proves_nothing(remote: Remote) -> None:
     text = remote.profile.read_text()
     poll = text.index("argv = [", text.index("[meter_stop.poll]"))
     end = text.index("]\n", poll) + 2
-    remote.profile.write_text(
-        text[:poll] + 'argv = ["/nonexistent/provider-cli", "show", "{instance_id}"]\n' + text[end:]
-    )
+    cli = remote.tmp / "provider-cli"  # the provider's CLI, there at `up`, gone at `down`
+    cli.write_text(f'#!/bin/sh\nexec {sys.executable} {FAKE} "$@"\n')
+    cli.chmod(0o755)
+    remote.profile.write_text(text[:poll] + f'argv = ["{cli}", "show", "{{instance_id}}"]\n' + text[end:])
     box = remote.boxes("g4")
     first = remote.up(box, seeded=True)
+    cli.unlink()
     bw.artifacts("g4")
     os.kill(first["pid"], signal.SIGKILL)
     wait_until(lambda: not pid_alive(first["pid"]), what="g4's sidecar gone")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.cellscript import cell_argv, runs
 from tests.conftest import Bw, wait_until
-from tests.controller.test_meter_stop import fake_profile
+from tests.controller.test_meter_stop import fake_profile, provider
 
 
 def write_plan(path: Path, marks: Path, cells: str, boxes: str = "", *flags: str) -> Path:
@@ -199,6 +199,7 @@ def test_a_plan_s_own_profile_file_is_taken_only_with_trust_plan(bw: Bw, tmp_pat
         in r.stderr
     )
     assert "--trust-plan" in r.stderr and bw.json("status")["boxes"] == []  # nothing started or recorded
+    provider(bw, tmp_path, "create", "i-1")  # (an instance its provider lists)
     doc = bw.json("fanout", "up", str(plan), "--trust-plan")
     assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [("g1", "started", "")]
     # Its meter stop edited since it was trusted (second review): a change of the plan, shown and

@@ -154,6 +154,7 @@ def test_a_plan_whose_ssh_option_runs_a_command_is_taken_only_with_trust_plan(
     assert "--trust-plan" in refused.stderr
     assert not ran.exists() and bw.json("status")["boxes"] == []  # nothing ran, nothing was recorded
 
+    remote.running(("--instance-id", f"i-{box.alias}"))  # (an instance its provider lists)
     doc = bw.json("fanout", "up", str(plan), "--trust-plan")
     assert [(b["box"], b["up"], b["error"]) for b in doc["boxes"]] == [(box.alias, "started", "")]
     assert ran.read_text().splitlines()  # the link went through the plan's ProxyCommand

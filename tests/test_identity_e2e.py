@@ -58,9 +58,10 @@ def up_as(rem: Remote, box: Box, name: str, *extra: str, bw: Bw | None = None, c
 def _up_as(
     rem: Remote, box: Box, name: str, *extra: str, bw: Bw | None = None
 ) -> subprocess.CompletedProcess[str]:
+    more = ("--instance-id", f"i-{name[-4:]}", *extra)
+    rem.running(more)  # (an instance the provider lists)
     return (bw or rem.bw)(
-        "up", name, "--profile-file", str(rem.profile), "--host", box.alias,
-        "--instance-id", f"i-{name[-4:]}", *extra, "--json", timeout=300,
+        "up", name, "--profile-file", str(rem.profile), "--host", box.alias, *more, "--json", timeout=300
     )  # fmt: skip
 
 
@@ -434,7 +435,8 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
         held = r.stderr[r.stderr.index("ba (run ") :]
         assert "never torn down" in held and "/persist/.boxwarden/boxes/ba" in held, held
-        assert not (tmp_path / "provider.json").exists()  # the provider was never called
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
+        assert not [c for c in calls if c[0] == "delete"], calls  # no stop was sent
         # ba back, pulled and down: bb's run is over (its teardown closed it on the box), so ba's
         # down is the last on the instance and stops it.
         up_as(remote, box, "ba", "--workdir", "~/ba", "--watch", "ckpt", "--state-on-durable")
@@ -513,6 +515,7 @@ def test_a_torn_down_run_is_over_for_every_controller(
     h1, h2 = remote.boxes("h1"), remote.boxes("h2")
 
     def run_and_down(box: Box, run: str) -> None:
+        remote.running(("--instance-id", f"i-{run}"))
         a.ok("up", "gpu", "--profile-file", str(remote.profile), "--host", box.alias, "--instance-id",
              f"i-{run}", "--watch", "ckpt", "--run-id", run)  # fmt: skip
         write_as_box(box, f"ckpt/{run}.bin", run)
@@ -535,6 +538,7 @@ def test_a_torn_down_run_is_over_for_every_controller(
     finally:
         _exit_master(b, h1)
     run_and_down(h2, "R2")
+    remote.running(("--instance-id", "i-R3"))
     a.ok("up", "gpu", "--profile-file", str(remote.profile), "--host", "h1", "--instance-id", "i-R3",
          "--watch", "ckpt", "--run-id", "R3")  # fmt: skip
     assert a.record("gpu")["run_id"] == "R3"

@@ -271,10 +271,69 @@ def test_a_held_stop_is_not_sent_when_the_host_only_refuses_connections(
         _exit_master(a, box)
         point_at(box, free_port())  # the host refuses connections for a while
         r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
-        assert r.returncode == 3 and "no link reaches the host" in r.stderr, r.stderr
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 3 and "no link reaches the host" in said, said
+        # (eighth review: nothing is known to be at work there; the way out is named)
+        assert "the host could not say whether other boxes are at work" in said and "--resend-stop" in said
+        assert "still at work" not in said
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
         assert ["delete", "i-zz01"] not in calls, calls
     finally:
         box.config.write_text(text)
+        _exit_master(a, box)
+        _exit_master(b, box)
+
+
+def test_up_refuses_an_instance_its_provider_does_not_list(bw: Bw, tmp_path: Path) -> None:
+    """Eighth review: an instance id the provider never had (a typo, another account) was accepted
+    at `up`; at `down` the provider's "not found" read as "gone", and the box was called down while
+    the instance it meant kept billing."""
+    from tests.controller.test_meter_stop import calls, fake_profile, provider
+
+    provider(bw, tmp_path, "create", "i-1")
+    (bw.cwd / "x").mkdir()
+    r = bw("up", "x", "--profile-file", str(fake_profile(tmp_path)), "--instance-id", "i-l",
+           "--workdir", str(bw.cwd / "x"), "--watch", "ckpt")  # fmt: skip
+    assert r.returncode == 2 and "does not list i-l" in r.stderr and "--instance-id" in r.stderr, r.stderr
+    assert bw("status", "x").returncode != 0 and ["delete", "i-l"] not in calls(tmp_path)
+
+
+def test_a_run_of_the_same_name_and_id_on_another_instance_still_holds_the_stop(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Eighth review: this controller's torn-down x/exp1 (on i-zz03) was matched by state-dir path
+    alone; a new machine at the same address, with the same home layout, ran another controller's
+    x/exp1 on i-zz04, and a stop of i-zz04 was sent under that open run."""
+    from tests.test_identity_e2e import second_controller
+
+    box = remote.boxes("h1")
+    a = remote.bw
+    b = second_controller(remote, tmp_path)
+
+    def pulled(name: str, wd: str) -> None:
+        write_as_box(box, f"{wd}/ckpt/a.bin", f"{name}'s weights")
+        a.wait_durable(name, 1)
+        a.ok("pull", name, "--to", str(a.cwd / f"p-{name}"))
+        a.ok("verify", str(a.cwd / f"p-{name}"))
+
+    try:
+        up_as(remote, box, "x-zz03", "--workdir", "~/wx", "--watch", "ckpt", "--run-id", "exp1")
+        pulled("x-zz03", "wx")
+        assert a("down", "x-zz03", "--confirm", "x-zz03", "--json", timeout=200).returncode == 0
+        _exit_master(a, box)
+        for d in (".boxwarden/boxes/x-zz03", "boxwarden/x-zz03"):  # a new machine, the same layout
+            assert box.run_as_box(["rm", "-rf", str(box.home / d)]).returncode == 0
+        theirs = up_as(remote, box, "x-zz03", "--instance-id", "i-zz04", "--workdir", "~/wx",
+                       "--watch", "ckpt", "--run-id", "exp1", bw=b)  # fmt: skip
+        assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
+        wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
+        up_as(remote, box, "y-zz04", "--workdir", "~/wy", "--watch", "ckpt")
+        pulled("y-zz04", "wy")
+        r = a("down", "y-zz04", "--confirm", "y-zz04", "--json", timeout=200)
+        assert r.returncode == 3 and "x-zz03 (run exp1 never torn down" in r.stderr, r.stderr
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
+        assert ["delete", "i-zz04"] not in calls, calls
+    finally:
         _exit_master(a, box)
         _exit_master(b, box)

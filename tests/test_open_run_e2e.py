@@ -48,6 +48,7 @@ def test_a_run_torn_down_by_one_controller_is_started_again_by_none(
         assert b("down", "h1", "--confirm", "h1", "--json", timeout=200).returncode == 0
         sd = box.home / ".boxwarden/boxes/h1/sidecar"
         assert (sd / "torn-down").read_text().strip() == "exp1" and not (sd / "run-open").exists()
+        remote.provider("create", "i-h1")  # (the instance still there: a stop held, or reversible)
         r = a(*up, "--watch", "ckpt", "--json", timeout=300)  # A's record: run exp1, up
         assert r.returncode == 3 and "run exp1 of box 'h1' was torn down on the box" in r.stderr, r.stderr
         r = b(*up, "--watch", "ckpt", "--run-id", "exp1", "--json", timeout=300)  # B's record: down

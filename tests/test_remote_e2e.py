@@ -20,7 +20,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,11 +158,20 @@ class Remote:
 
     def _up(self, box: Box, extra: tuple[str, ...], code: int) -> dict[str, Any]:
         args = ("up", box.alias, "--profile-file", str(self.profile), "--host", box.alias)
-        r = self.bw(
-            *args, "--instance-id", f"i-{box.alias}", "--watch", "ckpt", *extra, "--json", timeout=300
-        )
+        more = ("--instance-id", f"i-{box.alias}", "--watch", "ckpt", *extra)
+        self.running(more)
+        r = self.bw(*args, *more, "--json", timeout=300)
         assert r.returncode == code, f"up exited {r.returncode}:\n{r.stdout}\n{r.stderr}"
         return dict(json.loads(r.stdout)) if code == 0 else {"stderr": r.stderr}
+
+    def running(self, args: Sequence[str]) -> None:
+        """The instance `up` with these arguments names is one the fake provider lists (created if it
+        does not list it yet; one a test created keeps what it was created with)."""
+        ids = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "--instance-id"]
+        state = Path(self.bw.env["FAKE_PROVIDER_STATE"])
+        listed = json.loads(state.read_text())["instances"] if state.exists() else {}
+        if ids and ids[-1] not in listed:
+            self.provider("create", ids[-1])
 
     def provider(self, *args: str) -> None:
         import subprocess

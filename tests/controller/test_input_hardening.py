@@ -212,9 +212,12 @@ def test_two_real_downs_of_one_box(bw: Bw, tmp_path: Path) -> None:
     provider(bw, tmp_path, "create", "i-123", "--stuck")
     ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=600))
     pulled_and_verified(bw)
+    shown = calls(tmp_path).count(["show", "i-123"])  # (`up` asked once)
     first = bw.spawn("down", "fk1", "--confirm", "fk1")
     try:
-        wait_until(lambda: ["show", "i-123"] in calls(tmp_path), timeout=60, what="the first down's poll")
+        wait_until(
+            lambda: calls(tmp_path).count(["show", "i-123"]) > shown, timeout=60, what="the first down's poll"
+        )
         second = bw("down", "fk1", "--confirm", "fk1")
         assert second.returncode == 1, second.stderr
         assert f"another `down fk1` or an `up fk1` is running (pid {first.pid}); wait for it" in second.stderr

@@ -99,11 +99,12 @@ def test_down_refuses_before_the_gate_then_proves_gone_after(bw: Bw, tmp_path: P
     pulled = bw.cwd / "pulled"
     bw.ok("pull", "fk1", "--to", str(pulled))
     bw.ok("verify", str(pulled))
+    before = len(calls(tmp_path))  # (`up` asked once that the provider lists the instance)
     doc = bw.json("down", "fk1", "--confirm", "fk1")
     meter = doc["teardown"]["meter"]
     assert doc["teardown"]["gone"] is True and meter["gone"] is True
     # "deleted" was not taken as proof: it polled through "terminating" until the 404.
-    shows = [c for c in calls(tmp_path) if c[0] == "show"]
+    shows = [c for c in calls(tmp_path)[before:] if c[0] == "show"]
     assert len(shows) == meter["polls"] >= 4
     assert calls(tmp_path).count(["delete", "i-123"]) == 1
     assert meter["command"][-2:] == ["delete", "i-123"]
@@ -130,7 +131,7 @@ def test_a_stuck_instance_times_out_non_zero_and_is_audited(bw: Bw, tmp_path: Pa
 
 def test_up_warns_when_checkpoints_land_on_a_tier_that_does_not_survive(bw: Bw, tmp_path: Path) -> None:
     profile = fake_profile(tmp_path, watch_tier_path=str(bw.cwd))  # this machine's dir, mapped as ephemeral
-    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    provider(bw, tmp_path, "create", "i-1")
     r = bw(
         "up",
         "fk1",
@@ -227,7 +228,10 @@ def test_ctrl_c_while_polling_still_writes_the_audit_record(bw: Bw, tmp_path: Pa
     pulled_and_verified(bw)
     proc = bw.spawn("down", "fk1", "--confirm", "fk1")
     try:
-        wait_until(lambda: ["show", "i-123"] in calls(tmp_path), timeout=60, what="the first poll")
+        shown = calls(tmp_path).count(["show", "i-123"])  # (`up` asked once)
+        wait_until(
+            lambda: calls(tmp_path).count(["show", "i-123"]) > shown, timeout=60, what="the first poll"
+        )
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) != 0
     finally:
@@ -265,7 +269,7 @@ def test_manual_steps_are_printed_verbatim_and_the_flag_cannot_vouch_for_unseen_
 
 def test_up_refuses_what_would_break_the_meter_stop_later(bw: Bw, tmp_path: Path) -> None:
     profile = fake_profile(tmp_path)
-    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    provider(bw, tmp_path, "create", "i-123")
     r = bw("up", "fk1", "--profile-file", str(profile), "--watch", "ckpt")  # no --instance-id
     assert r.returncode == 2 and "--instance-id" in r.stderr
     bw.up("fk1", "--profile-file", str(profile), "--instance-id", "i-123")
