@@ -605,7 +605,7 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
         metrics_port=spec.health.metrics_port or 0,
         price_per_hour=spec.price_per_hour,
     )
-    await _instance_listed(prof, box)
+    findings += await _instance_listed(prof, box, old)
     # Health settings the running sidecar does not have: it is restarted to read them (its jobs
     # and queues go on).
     reconfigure = live is not None and HealthOptions.of(live) != spec.health
@@ -645,15 +645,20 @@ async def _up_on(state: State, spec: UpSpec, conn: Connector, where: Where, defa
     return UpOutcome(box=box, result=res, profile=prof, findings=findings, first_time=first_time)
 
 
-async def _instance_listed(prof: profiles.Profile, box: Box) -> None:
+async def _instance_listed(prof: profiles.Profile, box: Box, old: Box | None) -> list[checks.Finding]:
     """Where the profile can ask its provider, the instance must be one it lists now: `down` takes
     its later "not found" for "gone", which says nothing of an id the provider never had (a typo,
-    another account or region)."""
+    another account or region). A provider that cannot be asked refuses a new box's `up`; for a box
+    already up on that instance (its sidecar restarted, its keys rotated) it is a warning."""
     if prof.meter_stop.mode != "argv":
-        return
+        return []
     word, said = await meterstop.provider_says(prof, box)
     if word == meterstop.LISTED:
-        return
+        return []
+    known = old is not None and old.status != "down" and old.instance_id == box.instance_id
+    if word == meterstop.UNANSWERED and known:
+        return [checks.Finding("warn", "provider", f"the provider could not be asked whether it lists "
+                               f"{box.instance_id} ({said}); `down` will ask it again")]  # fmt: skip
     what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
     raise UsageError(
         f"the provider {what} ({said}): `down {box.name}` would stop and poll instance "

@@ -165,7 +165,10 @@ async def down(
             )
         state.step(tearing, teardown.SIDECAR_GONE, teardown.GONE_BY_WORD)
         retry = earlier is not None and earlier.meter_stop_sent
-        await teardown.meter_step(state, box, profile, result, manual_done, retry=retry, send=True)
+        # (the provider first: the gate may have taken its word that the instance is gone)
+        await teardown.meter_step(
+            state, box, profile, result, manual_done, retry=retry, send=True, poll_first=True
+        )
         result.sidecar_gone = True  # the user's word, and no answer (checked again just below)
         if await teardown.sidecar_answers(box):
             result.sidecar_gone = False

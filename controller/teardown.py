@@ -194,7 +194,8 @@ def unfinished_refusal(box: Box, u: Unfinished, poll_said: str = "", *, resend: 
     if sent is not None:
         head = f"the meter stop of {box.name} was sent at {when(sent.at_ns)} but never proven"
     elif u.held_only:
-        return held_refusal(box, u.steps[METER_HELD].detail, resend=resend)
+        held = u.steps[METER_HELD]
+        return held_refusal(box, held.detail, resend=resend, held_at_ns=held.at_ns)
     else:
         head = f"the teardown of {box.name} stopped before its meter stop was sent ({u.describe()})"
     poll = f"; the provider's poll does not say it is gone ({poll_said})" if poll_said else ""
@@ -404,15 +405,17 @@ async def meter_step(
     retry: bool,
     send: bool,
     also: Sequence[str] = (),
+    poll_first: bool | None = None,
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
     `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box
     may still be at work on the same instance, nothing is sent and the box stays unfinished
     (MeterHeld): its next `down` asks again and sends the stop once none is left, and a stop of the
     instance that another box's teardown proves closes it. `also`: boxes the box itself says are at
-    work there (another controller's too)."""
+    work there (another controller's too). `poll_first` (default: `retry`): ask the provider first
+    (an instance gone already needs no stop and is held by nobody)."""
     ms = profile.meter_stop
-    if retry and ms.mode == "argv":
+    if (retry if poll_first is None else poll_first) and ms.mode == "argv":
         # Gone already (another box's stop, the provider's own end): nothing is sent, nothing held.
         word, said = await meterstop.provider_says(profile, box)
         if word == meterstop.GONE:
@@ -454,31 +457,50 @@ def holding(state: State, box: Box, also: Sequence[str] = ()) -> list[str]:
     return [*known, *(n for n in also if n.partition(" ")[0] not in known)]
 
 
+NO_LINK_SAID = "(no link reaches the host"
+"""How a holder entry starts when no link reached the host at all (`--resend-stop` then sends)."""
+
+
 def unsure(holders: str) -> bool:
     """Whether every holder is only a host that could not say who is at work there (an entry in
     parentheses), none a box known to be at work."""
     return all(h.startswith("(") for h in holders.split("; "))
 
 
-def held_refusal(box: Box, holders: str, *, resend: bool) -> MeterHeld:
-    """`resend`: the profile has a stop command that `--resend-stop` could send."""
+def held_refusal(box: Box, holders: str, *, resend: bool, held_at_ns: int = 0) -> MeterHeld:
+    """`resend`: the profile has a stop command that `--resend-stop` could send. `held_at_ns`: the
+    holders are the ones recorded then (not asked now)."""
     n = box.name
     instance = box.instance_id or "(none named)"
     done = (
         f"Every step of the teardown of {n} before the meter stop is done; it is unfinished until the meter "
         "stops."
     )
-    if unsure(holders):
+    again = (
+        f"`boxwarden down {n} --confirm {n}` asks the provider first (an instance gone already is closed), "
+        "then the box, and sends the stop once nothing holds it"
+    )
+    if held_at_ns:
         return MeterHeld(
-            f"the meter of {n} was NOT stopped: the host could not say whether other boxes are at work on "
-            f"instance {instance}, whose meter it is {holders}. {done} `boxwarden down {n} --confirm {n}` "
-            "again asks the provider first (an instance gone already is closed), then the host"
-            + (
+            f"the meter stop of {n} was held at {when(held_at_ns)}, when the box said this of instance "
+            f"{instance}, whose meter it is: {holders}. {done} {again}",
+            [Reason(HELD_CODE, detail=holders)],
+        )
+    if unsure(holders):
+        no_link = all(h.startswith(NO_LINK_SAID) for h in holders.split("; "))
+        if resend and no_link:
+            out = (
                 f". If you know the instance is being destroyed anyway, `boxwarden down {n} --confirm {n} "
                 "--resend-stop` sends the stop without asking (the audit record says so)"
-                if resend
-                else ""
-            ),
+            )
+        else:
+            out = (
+                ". If you know nothing else is at work there, stop the instance at the provider yourself; "
+                "the next `down` finds it gone"
+            )
+        return MeterHeld(
+            f"the meter of {n} was NOT stopped: the host could not say whether other boxes are at work on "
+            f"instance {instance}, whose meter it is {holders}. {done} {again}{out}",
             [Reason(HELD_CODE, detail=holders)],
         )
     return MeterHeld(
@@ -551,7 +573,13 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: St
         for b in state.boxes()
         if (runs := state.torn_down(b.name))
     }
-    req = {"state_dir": box.state_dir, "roots": roots, "instance_id": box.instance_id, "closed": closed}
+    req = {
+        "state_dir": box.state_dir,
+        "run_id": box.run_id,  # (its own state dir counts too, for a run that is not this one)
+        "roots": roots,
+        "instance_id": box.instance_id,
+        "closed": closed,
+    }
     try:
         answer = await launch(conn, "siblings", req, timeout_s=30)
     except ControllerError as e:
@@ -580,7 +608,7 @@ async def sidecars_beside_if_reachable(
         if kind == absence.NO_LINK and destroyed_anyway:
             return []
         if kind == absence.NO_LINK:
-            return [f"(no link reaches the host ({said}): it cannot say which boxes run beside {box.name})"]
+            return [f"{NO_LINK_SAID} ({said}): it cannot say which boxes run beside {box.name})"]
         if kind == absence.CANNOT_TELL:
             return [f"(this machine cannot tell whether the host is there ({said}), so it cannot say which "
                     f"boxes run beside {box.name}: {e})"]  # fmt: skip

@@ -636,6 +636,7 @@ def siblings(req: Request) -> Request:
     read is an answer of its own. (Another Unix user's boxes on the same instance are not seen:
     their roots are private.)"""
     state_dir = Path(req["state_dir"])
+    own_run = str(req.get("run_id") or "")
     instance = str(req.get("instance_id") or "")
     closed = {
         expand(str(k)).resolve(): frozenset((str(r[0]), str(r[1])) for r in v if len(r) == 2)
@@ -655,11 +656,13 @@ def siblings(req: Request) -> Request:
             continue
         for other in others:
             sidecar_dir = other / "sidecar"
-            if other.resolve() == own or not sidecar_dir.is_dir():
+            if not sidecar_dir.is_dir():
                 continue
             why, run = _unfinished_box(
                 sidecar_dir, instance, boxes_dir == local, closed.get(sidecar_dir.resolve(), frozenset())
             )
+            if other.resolve() == own and (not own_run or run == own_run):
+                continue  # its own run (another's run in the same state dir since is counted)
             if why:
                 found[other] = {"name": other.name, "run": run, "why": f"{why}: {other}"}
     entries = sorted(found.values(), key=lambda e: (str(e["name"]), str(e["why"])))

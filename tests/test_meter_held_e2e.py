@@ -337,3 +337,103 @@ def test_a_run_of_the_same_name_and_id_on_another_instance_still_holds_the_stop(
     finally:
         _exit_master(a, box)
         _exit_master(b, box)
+
+
+def test_another_controllers_run_in_the_boxs_own_state_dir_holds_its_stop(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Ninth review: the box's own state dir was never looked at; another controller's box of the
+    same name on the same host opened its run there after this box's held teardown, its sidecar
+    died, and `down` again of this box sent the stop under it."""
+    from tests.test_identity_e2e import second_controller
+
+    a = remote.bw
+    box = remote.boxes("h1")
+    remote.provider("create", "i-zz05", "--linger", "1")
+    b = second_controller(remote, tmp_path)
+
+    def pulled(name: str, wd: str) -> None:
+        write_as_box(box, f"{wd}/ckpt/{name}.bin", f"{name}'s weights")
+        a.wait_durable(name, 1)
+        a.ok("pull", name, "--to", str(a.cwd / f"p-{name}"))
+        a.ok("verify", str(a.cwd / f"p-{name}"))
+
+    try:
+        up_as(remote, box, "x-zz05", "--workdir", "~/wx", "--watch", "ckpt")
+        up_as(remote, box, "y-zz05", "--workdir", "~/wy", "--watch", "ckpt")
+        pulled("x-zz05", "wx")
+        assert a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200).returncode == 3  # held by y
+        theirs = up_as(remote, box, "x-zz05", "--workdir", "~/bx", "--watch", "ckpt", bw=b)
+        assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
+        wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
+        pulled("y-zz05", "wy")
+        assert (
+            a("down", "y-zz05", "--confirm", "y-zz05", "--json", timeout=200).returncode == 3
+        )  # held by theirs
+        r = a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200)
+        assert r.returncode == 3 and f"x-zz05 (run {theirs['run_id']} never torn down" in r.stderr, r.stderr
+        calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
+        assert not [c for c in calls if c[0] == "delete"], calls
+    finally:
+        _exit_master(a, box)
+        _exit_master(b, box)
+
+
+def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Ninth review: a stop held because the host answered but could not say offered
+    `--resend-stop`, which holds there too; the way out is the provider's own stop."""
+    from tests.test_box_gone_e2e import dropping_sshd, point_at
+    from tests.test_identity_e2e import second_controller
+
+    a = remote.bw
+    box = remote.boxes("h1")
+    remote.provider("create", "i-zz01", "--linger", "1")
+    b = second_controller(remote, tmp_path)
+    text = box.config.read_text()
+    try:
+        up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
+        up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
+        write_as_box(box, "ha/ckpt/a.bin", "a's weights")
+        a.wait_durable("a-zz01", 1)
+        a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
+        a.ok("verify", str(a.cwd / "pa"))
+        assert a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200).returncode == 3
+        r = a("down", "a-zz01", "--dry-run", timeout=200)  # what was recorded, in the past tense
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 3 and "was held at" in said and "still at work" not in said, said
+        _exit_master(a, box)
+        with dropping_sshd() as port:  # the host answers, and drops every login
+            point_at(box, port)
+            r = a("down", "a-zz01", "--confirm", "a-zz01", "--resend-stop", timeout=200)
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 3 and "the host could not say" in said, said
+        assert "--resend-stop` sends" not in said and "stop the instance at the provider yourself" in said
+        remote.provider("delete", "i-zz01")  # the user stops it at the provider
+        remote.provider("vanish", "i-zz01")
+        box.config.write_text(text)
+        doc = a.json("down", "a-zz01", "--confirm", "a-zz01")  # the provider first: gone, nothing held
+        assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is False
+    finally:
+        box.config.write_text(text)
+        _exit_master(a, box)
+        _exit_master(b, box)
+
+
+def test_a_box_proven_gone_by_its_provider_is_held_by_nobody(bw: Bw, tmp_path: Path) -> None:
+    """Ninth review: `down --box-gone` of a box whose instance the provider says is gone refused,
+    held by another box on that same (gone) instance."""
+    up_on_instance(bw, tmp_path, "ga", "gb")
+    for pid in bw.sidecar_pids():
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda pid=pid: not pid_alive(pid), what="the sidecars gone")
+    (provider_dir(tmp_path) / f"gone-{INSTANCE}").touch()  # the provider: no such instance
+    d = bw.cwd / "from-durable"
+    bw.ok("pull", "ga", "--from", "durable", "--to", str(d))
+    bw.ok("verify", str(d))
+    r = bw("down", "ga", "--confirm", "ga", "--box-gone", "--pulled", str(d), "--json")
+    assert r.returncode == 0 and "METER_HELD" not in r.stderr, r.stderr
+    assert json.loads(r.stdout)["teardown"]["gone"] is True and stop_calls(tmp_path) == 0
