@@ -16,6 +16,7 @@ from pathlib import Path
 
 from tests.conftest import Bw, pid_alive, wait_until
 from tests.controller.test_teardown_resume import INSTANCE, profile, provider_dir, stop_calls
+from tests.sshbox import Box
 from tests.test_identity_e2e import up_as
 from tests.test_remote_e2e import (  # noqa: F401 - fixtures
     Remote,
@@ -243,6 +244,20 @@ def test_down_all_reports_a_box_held_earlier_as_down_once_its_instance_stops(bw:
     assert status_of(bw, "ha") == status_of(bw, "hb") == "down" and stop_calls(tmp_path) == 1
 
 
+def held_by_theirs(remote: Remote, box: Box, b: Bw) -> None:  # noqa: F811
+    """a-zz01 (this controller's, pulled and verified) and b-zz01 (controller `b`'s) at work on one
+    instance; `down a-zz01` is held by b-zz01."""
+    a = remote.bw
+    up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
+    up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
+    write_as_box(box, "ha/ckpt/a.bin", "a's weights")
+    a.wait_durable("a-zz01", 1)
+    a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
+    a.ok("verify", str(a.cwd / "pa"))
+    r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
+    assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
+
+
 def test_a_held_stop_is_not_sent_when_the_host_only_refuses_connections(
     remote: Remote,  # noqa: F811
     tmp_path: Path,
@@ -260,14 +275,7 @@ def test_a_held_stop_is_not_sent_when_the_host_only_refuses_connections(
     b = second_controller(remote, tmp_path)
     text = box.config.read_text()
     try:
-        up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
-        up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
-        write_as_box(box, "ha/ckpt/a.bin", "a's weights")
-        a.wait_durable("a-zz01", 1)
-        a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
-        a.ok("verify", str(a.cwd / "pa"))
-        r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
-        assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
+        held_by_theirs(remote, box, b)
         _exit_master(a, box)
         point_at(box, free_port())  # the host refuses connections for a while
         r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
@@ -395,13 +403,7 @@ def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
     b = second_controller(remote, tmp_path)
     text = box.config.read_text()
     try:
-        up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
-        up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
-        write_as_box(box, "ha/ckpt/a.bin", "a's weights")
-        a.wait_durable("a-zz01", 1)
-        a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
-        a.ok("verify", str(a.cwd / "pa"))
-        assert a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200).returncode == 3
+        held_by_theirs(remote, box, b)
         r = a("down", "a-zz01", "--dry-run", timeout=200)  # what was recorded, in the past tense
         said = " ".join(r.stderr.split())
         assert r.returncode == 3 and "was held at" in said and "still at work" not in said, said
