@@ -655,10 +655,16 @@ async def _instance_listed(prof: profiles.Profile, box: Box, old: Box | None) ->
     word, said = await meterstop.provider_says(prof, box)
     if word == meterstop.LISTED:
         return []
-    known = old is not None and old.status != "down" and old.instance_id == box.instance_id
+    # (listed at that box's own `up`, under this very profile text)
+    known = (
+        old is not None
+        and old.status != "down"
+        and old.instance_id == box.instance_id
+        and old.profile_digest == prof.digest
+    )
     if word == meterstop.UNANSWERED and known:
         return [checks.Finding("warn", "provider", f"the provider could not be asked whether it lists "
-                               f"{box.instance_id} ({said}); `down` will ask it again")]  # fmt: skip
+                               f"{box.instance_id} ({said}); it listed it at the last `up`")]  # fmt: skip
     what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
     raise UsageError(
         f"the provider {what} ({said}): `down {box.name}` would stop and poll instance "

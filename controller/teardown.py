@@ -140,17 +140,24 @@ def unfinished(state: State, box: Box) -> Unfinished | None:
     return Unfinished(box.name, box.status, steps)
 
 
-async def sidecar_answers(box: Box, timeout_s: float = 3.0) -> bool:
-    """Does the box's sidecar answer (any version)? If it does, something watches the box again."""
-    return not await silence(box, timeout_s)
+async def sidecar_answers(box: Box, timeout_s: float = 3.0, *, own: bool = False) -> bool:
+    """Does the box's sidecar answer (any version; `own`: of its own run)? If it does, something
+    watches the box again."""
+    return not await silence(box, timeout_s, own=own)
 
 
-async def silence(box: Box, timeout_s: float = 3.0) -> str:
-    """Why the box's sidecar does not answer; "" when it answers (any version)."""
+async def silence(box: Box, timeout_s: float = 3.0, *, own: bool = False) -> str:
+    """Why the box's sidecar does not answer; "" when it answers (any version). `own`: only a
+    sidecar of the box's own run counts (another run's in the same state dir, say another
+    controller's box of the same name, is not this box answering)."""
     conn = connector_for(box)
     try:
         async with SidecarClient(conn=conn) as c:
-            await c.hello(timeout_s=timeout_s, check_version=False)
+            hello = await c.hello(timeout_s=timeout_s, check_version=False)
+            if own and hello.run_id and hello.run_id != box.run_id:
+                return (
+                    f"a sidecar of another run ({hello.run_id}) answers at its socket, not run {box.run_id}"
+                )
     except SidecarUnreachable as e:
         return str(e) or "no answer"
     except SidecarRefused:
@@ -279,6 +286,7 @@ async def teardown(
     async def steps() -> None:
         meterstop.plan(profile, box)  # every placeholder fillable, before anything is released
         hello = await client.hello()
+        await provider_lists(profile, box, earlier)
         before = state.teardown_steps(box.name)
         state.step(tearing, RELEASE, released.release_detail(verdict.box_manifest_digest, "no answer yet"))
         answer = await client.release(
@@ -330,6 +338,25 @@ async def teardown(
             )
 
     return await audited(state, box, record, result, steps)
+
+
+async def provider_lists(profile: Profile, box: Box, earlier: Unfinished | None) -> None:
+    """Before anything is released: the box's sidecar answers, so its instance is there; a provider
+    that does not list it is being asked in another account, region or context than at `up` (its
+    "not found" would later read as "gone" while the instance bills on). Refused, nothing done. A
+    stop sent earlier may have ended it already: then the provider's word stands."""
+    if profile.meter_stop.mode != "argv" or (earlier is not None and earlier.meter_stop_sent):
+        return
+    word, said = await meterstop.provider_says(profile, box)
+    if word == meterstop.LISTED:
+        return
+    what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
+    raise GateRefused(
+        f"the provider {what} ({said}) while the sidecar of {box.name} answers on it: its CLI may be pointed "
+        "at another account, region or context than at `up`. Nothing was released and the meter was not "
+        f"touched; run `down {box.name}` again from where the provider lists the instance",
+        [Reason("PROVIDER_DISAGREES", detail=said)],
+    )
 
 
 async def retry_meter(
@@ -587,7 +614,13 @@ async def sidecars_beside(conn: Connector, box: Box, profile: Profile, state: St
     entries = answer.get("entries")
     if entries is None:  # an older box-side launch: names of running sidecars only
         return [f"{name} (its sidecar runs on the box)" for name in answer.get("running", [])]
-    return [f"{e['name']} ({e['why']})" for e in entries]
+    # (a root that cannot be read names no box: the host cannot say what runs there)
+    return [
+        f"({e['name']} {e['why']}: the host cannot say which boxes run there)"
+        if not e.get("run") and str(e.get("why", "")).startswith("cannot be read")
+        else f"{e['name']} ({e['why']})"
+        for e in entries
+    ]
 
 
 async def sidecars_beside_if_reachable(

@@ -101,7 +101,7 @@ async def follow(
             if box.status == "down":
                 raise StateError(f"{name} is down now: nothing left to tear down when safe")
             earlier = teardown.unfinished(state, box)
-            quiet = await teardown.silence(box) if earlier is not None else ""
+            quiet = await teardown.silence(box, own=True) if earlier is not None else ""
             if earlier is not None and quiet and earlier.sidecar_seen_gone:
                 # An interrupted teardown saw its sidecar gone: no gate can run, only the meter is
                 # left to settle, as `down NAME --confirm NAME` settles it.

@@ -373,6 +373,9 @@ def test_another_controllers_run_in_the_boxs_own_state_dir_holds_its_stop(
         pulled("x-zz05", "wx")
         assert a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200).returncode == 3  # held by y
         theirs = up_as(remote, box, "x-zz05", "--workdir", "~/bx", "--watch", "ckpt", bw=b)
+        # (tenth review: their sidecar answering at this box's socket is not this box's: still held)
+        r = a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200)
+        assert r.returncode == 3 and "x-zz05 (its sidecar runs" in r.stderr, r.stderr
         assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
         wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
         pulled("y-zz05", "wy")
@@ -439,3 +442,88 @@ def test_a_box_proven_gone_by_its_provider_is_held_by_nobody(bw: Bw, tmp_path: P
     r = bw("down", "ga", "--confirm", "ga", "--box-gone", "--pulled", str(d), "--json")
     assert r.returncode == 0 and "METER_HELD" not in r.stderr, r.stderr
     assert json.loads(r.stdout)["teardown"]["gone"] is True and stop_calls(tmp_path) == 0
+
+
+def test_down_refuses_while_the_provider_is_asked_elsewhere_than_at_up(bw: Bw, tmp_path: Path) -> None:
+    """Tenth review: a provider CLI that takes its account, region or context from the shell was
+    asked elsewhere at `down`; its "not found" read as "gone", and the box was called down while
+    its instance billed on. Its sidecar answers: the instance is there, so nothing is released."""
+    from tests.controller.test_meter_stop import calls, fake_profile, provider
+
+    provider(bw, tmp_path, "create", "i-1")
+    (bw.cwd / "cb" / "ckpt").mkdir(parents=True)
+    bw.ok("up", "cb", "--profile-file", str(fake_profile(tmp_path)), "--instance-id", "i-1",
+          "--workdir", str(bw.cwd / "cb"), "--watch", "ckpt")  # fmt: skip
+    (bw.cwd / "cb" / "ckpt" / "w.bin").write_bytes(b"cb's weights")
+    bw.wait_durable("cb", 1)
+    bw.ok("pull", "cb", "--to", str(bw.cwd / "p-cb"))
+    bw.ok("verify", str(bw.cwd / "p-cb"))
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "other-account.json")  # the shell points elsewhere
+    r = bw("down", "cb", "--confirm", "cb", "--json")
+    assert r.returncode == 3 and "PROVIDER_DISAGREES" in r.stderr, r.stderr
+    assert status_of(bw, "cb") == "up" and (bw.cwd / "cb" / "ckpt" / "w.bin").exists()  # nothing released
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    assert ["delete", "i-1"] not in calls(tmp_path)
+    assert bw.json("down", "cb", "--confirm", "cb")["teardown"]["gone"] is True  # from where it lists it
+
+
+def test_an_id_never_listed_is_not_taken_on_trust_when_the_provider_cannot_be_asked(
+    bw: Bw, tmp_path: Path
+) -> None:
+    """Tenth review: a box up under a manual meter (its id never checked) whose profile became an
+    argv stop was brought up again while the provider could not be asked, with a warning only."""
+    from tests.controller.test_meter_stop import FAKE, fake_profile, provider
+
+    provider(bw, tmp_path, "create", "i-real")
+    argv_text = (
+        fake_profile(tmp_path)
+        .read_text()
+        .replace(f"[{json.dumps(sys.executable)}, {json.dumps(str(FAKE))}, ", '["/nonexistent/fakecli", ')
+    )
+    head, tail = argv_text.split("[meter_stop]")[0], argv_text.split("[detach]")[1]
+    manual = (
+        '[meter_stop]\nverb = "destroy"\nirreversible = true\nmode = "manual"\nmanual = "Destroy it."\n\n'
+    )
+    profile = tmp_path / "mine" / "fakecloud.toml"
+    profile.parent.mkdir()
+    profile.write_text(head + manual + "[detach]" + tail)
+    args = (
+        "--profile-file",
+        str(profile),
+        "--instance-id",
+        "i-typo",
+        "--workdir",
+        str(bw.cwd),
+        "--watch",
+        "ckpt",
+    )
+    bw.ok("up", "kb", *args)
+    profile.write_text(argv_text)  # an argv stop now, whose CLI cannot run here
+    r = bw("up", "kb", *args)
+    assert r.returncode == 2 and "could not be asked" in r.stderr, r.stderr
+
+
+def test_a_root_the_box_cannot_read_is_no_box_at_work(remote: Remote, tmp_path: Path) -> None:  # noqa: F811
+    """Tenth review: a state root the box user cannot read (another Unix user's, on a shared tier)
+    was named like a box at work ("once they are down"), with no way out."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    remote.profile.write_text(remote.profile.read_text().replace('path = "~"', 'path = "~/persist"'))
+    assert box.run_as_box(["mkdir", "-p", str(box.home / "persist")]).returncode == 0
+    locked = box.home / "persist" / ".boxwarden"
+    locked.mkdir()  # root's, 0700: the box user cannot list it
+    locked.chmod(0o700)
+    try:
+        up_as(remote, box, "rd01", "--workdir", "~/rd", "--watch", "ckpt")
+        write_as_box(box, "rd/ckpt/a.bin", "weights")
+        a.wait_durable("rd01", 1)
+        a.ok("pull", "rd01", "--to", str(a.cwd / "prd"))
+        a.ok("verify", str(a.cwd / "prd"))
+        r = a("down", "rd01", "--confirm", "rd01", "--json", timeout=200)
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 3 and "METER_HELD" in said and "cannot be read" in said, said
+        assert (
+            "the host could not say whether other boxes are at work" in said and "still at work" not in said
+        )
+    finally:
+        _exit_master(a, box)

@@ -336,7 +336,7 @@ def _down(state: State, box: Box, o: Opts, as_json: bool) -> None:
             return True
         return interactive and render.ask_done()
 
-    answers = earlier is not None and asyncio.run(teardown.sidecar_answers(box))
+    answers = earlier is not None and asyncio.run(teardown.sidecar_answers(box, own=True))
     if resend_stop and (earlier is None or answers):
         why = (
             "its sidecar answers, so `down` goes through the gate" if earlier else "no teardown is unfinished"
