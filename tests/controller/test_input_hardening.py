@@ -212,7 +212,7 @@ def test_two_real_downs_of_one_box(bw: Bw, tmp_path: Path) -> None:
     provider(bw, tmp_path, "create", "i-123", "--stuck")
     ready_box(bw, tmp_path, fake_profile(tmp_path, timeout_s=600))
     pulled_and_verified(bw)
-    shown = calls(tmp_path).count(["show", "i-123"])  # (`up` asked once)
+    shown = calls(tmp_path).count(["show", "i-123"]) + 1  # (`up` asked once; `down` once before the release)
     first = bw.spawn("down", "fk1", "--confirm", "fk1")
     try:
         wait_until(
