@@ -217,7 +217,7 @@ async def judge_all(
 async def _silence(box: Box, deadline_s: float) -> str:
     """Why the box's sidecar does not answer within `deadline_s` (link included); "" if it does."""
     try:
-        return await asyncio.wait_for(teardown.silence(box, timeout_s=deadline_s), deadline_s)
+        return await asyncio.wait_for(teardown.silence(box, timeout_s=deadline_s, own=True), deadline_s)
     except TimeoutError:
         return f"no answer within {deadline_s:g}s"
 

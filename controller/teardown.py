@@ -341,11 +341,11 @@ async def teardown(
 
 
 async def provider_lists(profile: Profile, box: Box, earlier: Unfinished | None) -> None:
-    """Before anything is released: the box's sidecar answers, so its instance is there; a provider
-    that does not list it is being asked in another account, region or context than at `up` (its
-    "not found" would later read as "gone" while the instance bills on). Refused, nothing done. A
-    stop sent earlier may have ended it already: then the provider's word stands."""
-    if profile.meter_stop.mode != "argv" or (earlier is not None and earlier.meter_stop_sent):
+    """Before anything is released: the box's sidecar answers, so its instance is there (whatever
+    an earlier stop did: the box was brought up again since); a provider that does not list it is
+    being asked in another account, region or context than at `up` (its "not found" would later
+    read as "gone" while the instance bills on). Refused, nothing done."""
+    if profile.meter_stop.mode != "argv":
         return
     word, said = await meterstop.provider_says(profile, box)
     if word == meterstop.LISTED:
@@ -446,6 +446,7 @@ async def meter_step(
         # Gone already (another box's stop, the provider's own end): nothing is sent, nothing held.
         word, said = await meterstop.provider_says(profile, box)
         if word == meterstop.GONE:
+            await _none_answers(state, box, also, said)
             result.meter = MeterResult(mode=ms.mode, verb=ms.verb, gone=True, polls=1, last_poll=said)
             result.meter.detail = f"gone: the provider's poll showed it ({said}; nothing sent again)"
             close_held(state, box, profile, result.meter)
@@ -475,6 +476,21 @@ async def meter_step(
         if METER_STOP in state.teardown_steps(box.name):
             state.put(box.with_(status="meter-unproven"))
         raise
+
+
+async def _none_answers(state: State, box: Box, also: Sequence[str], said: str) -> None:
+    """The provider says the instance is gone: refused (PROVIDER_DISAGREES) if a box on it answers
+    (this controller's box whose own sidecar answers, or one the box says runs there): the provider
+    is being asked in another account, region or context."""
+    alive = [n for n in sharing_instance(state, box) if await sidecar_answers(state.get(n), own=True)]
+    alive += [e for e in also if "(its sidecar runs" in e]
+    if alive:
+        raise GateRefused(
+            f"the provider says {box.instance_id} is gone ({said}) while boxes on it answer "
+            f"({'; '.join(alive)}): its CLI may be pointed at another account, region or context than at "
+            f"`up`. Nothing was done; run `down {box.name}` again from where the provider lists the instance",
+            [Reason("PROVIDER_DISAGREES", detail=said)],
+        )
 
 
 def holding(state: State, box: Box, also: Sequence[str] = ()) -> list[str]:

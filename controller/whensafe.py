@@ -129,6 +129,8 @@ async def follow(
                         return await teardown.retry_meter(state, box, profile, manual_done)
                     except teardown.MeterHeld as e:
                         held = [r.detail for r in e.reasons]
+                    except GateRefused as e:  # the provider disagrees with boxes that answer: wait
+                        held = [_line(r) for r in e.reasons]
                 why = [_held(box, held)] if held else [f"the provider to show it gone ({listed})"]
             elif earlier is not None and quiet:  # silent for now (paused, restarting, dead): wait
                 why = [silent(box, quiet)]
@@ -147,7 +149,16 @@ async def follow(
             if not why:
                 verdict = await boxes.judge(box, pull_to, confirm=name, dry_run=False, state=state)
                 why = [f"{r.code} {r.path}".strip() for r in verdict.reasons]
-                if verdict.allowed:
+                passes = verdict.allowed
+                if passes:
+                    try:  # (asked here, without an audit record each look)
+                        await teardown.provider_lists(boxes.box_profile(box), box, None)
+                    except GateRefused as e:
+                        passes = False
+                        why = [_line(r) for r in e.reasons] + [
+                            "the provider to list the instance (run the follower from where it does)"
+                        ]
+                if passes:
                     report("the gate passed: tearing down")
                     try:
                         return await boxes.down(state, state.get(name), verdict, manual_done)

@@ -244,18 +244,19 @@ def test_down_all_reports_a_box_held_earlier_as_down_once_its_instance_stops(bw:
     assert status_of(bw, "ha") == status_of(bw, "hb") == "down" and stop_calls(tmp_path) == 1
 
 
-def held_by_theirs(remote: Remote, box: Box, b: Bw) -> None:  # noqa: F811
+def held_by_theirs(remote: Remote, box: Box, b: Bw) -> int:  # noqa: F811
     """a-zz01 (this controller's, pulled and verified) and b-zz01 (controller `b`'s) at work on one
-    instance; `down a-zz01` is held by b-zz01."""
+    instance; `down a-zz01` is held by b-zz01. The pid of b-zz01's sidecar."""
     a = remote.bw
     up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
-    up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
+    theirs = up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
     write_as_box(box, "ha/ckpt/a.bin", "a's weights")
     a.wait_durable("a-zz01", 1)
     a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
     a.ok("verify", str(a.cwd / "pa"))
     r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
     assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
+    return int(theirs["pid"])
 
 
 def test_a_held_stop_is_not_sent_when_the_host_only_refuses_connections(
@@ -376,6 +377,8 @@ def test_another_controllers_run_in_the_boxs_own_state_dir_holds_its_stop(
         # (tenth review: their sidecar answering at this box's socket is not this box's: still held)
         r = a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200)
         assert r.returncode == 3 and "x-zz05 (its sidecar runs" in r.stderr, r.stderr
+        doc = a.json("down", "--all", "--dry-run", code=3)  # (eleventh review: the fleet asks the same)
+        assert {o["box"]: o["outcome"] for o in doc["boxes"]}["x-zz05"] == "refused", doc
         assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
         wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
         pulled("y-zz05", "wy")
@@ -406,7 +409,7 @@ def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
     b = second_controller(remote, tmp_path)
     text = box.config.read_text()
     try:
-        held_by_theirs(remote, box, b)
+        their_pid = held_by_theirs(remote, box, b)
         r = a("down", "a-zz01", "--dry-run", timeout=200)  # what was recorded, in the past tense
         said = " ".join(r.stderr.split())
         assert r.returncode == 3 and "was held at" in said and "still at work" not in said, said
@@ -417,8 +420,10 @@ def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
         said = " ".join(r.stderr.split())
         assert r.returncode == 3 and "the host could not say" in said, said
         assert "--resend-stop` sends" not in said and "stop the instance at the provider yourself" in said
-        remote.provider("delete", "i-zz01")  # the user stops it at the provider
+        remote.provider("delete", "i-zz01")  # the user stops it at the provider: all on it ends
         remote.provider("vanish", "i-zz01")
+        assert box.run_as_box(["kill", "-9", str(their_pid)]).returncode == 0
+        wait_until(lambda: not pid_alive(their_pid), what="their sidecar gone with the instance")
         box.config.write_text(text)
         doc = a.json("down", "a-zz01", "--confirm", "a-zz01")  # the provider first: gone, nothing held
         assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is False
@@ -527,3 +532,40 @@ def test_a_root_the_box_cannot_read_is_no_box_at_work(remote: Remote, tmp_path: 
         )
     finally:
         _exit_master(a, box)
+
+
+def _pulled_on(bw: Bw, profile: Path, name: str, instance: str = "i-1") -> None:
+    (bw.cwd / name / "ckpt").mkdir(parents=True, exist_ok=True)
+    bw.ok("up", name, "--profile-file", str(profile), "--instance-id", instance,
+          "--workdir", str(bw.cwd / name), "--watch", "ckpt")  # fmt: skip
+    n = len(list(bw.cwd.glob(f"p-{name}-*")))  # (a new run claims what is on the box now)
+    (bw.cwd / name / "ckpt" / f"{n}.bin").write_bytes(b"weights")
+    bw.wait_durable(name, len(list((bw.cwd / name / "ckpt").iterdir())), pending_ok=True)
+    bw.ok("pull", name, "--to", str(bw.cwd / f"p-{name}-{n}"))
+    bw.ok("verify", str(bw.cwd / f"p-{name}-{n}"))
+
+
+def test_a_provider_asked_elsewhere_is_not_taken_on_any_path(bw: Bw, tmp_path: Path) -> None:
+    """Eleventh review: the provider check before the release was skipped after an earlier stop
+    (a box brought up again since); and a held box's `down` took the other account's "not found"
+    for gone while the box that held it answered on the instance."""
+    from tests.controller.test_meter_stop import calls, fake_profile, provider
+
+    provider(bw, tmp_path, "create", "i-1", "--stuck")  # its delete never completes
+    profile = fake_profile(tmp_path, timeout_s=2)
+    _pulled_on(bw, profile, "ra")
+    assert bw("down", "ra", "--confirm", "ra").returncode == 1  # sent, never proven
+    _pulled_on(bw, profile, "ra")  # brought up again: the instance is there
+    _pulled_on(bw, profile, "rb")
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "other-account.json")  # the shell points elsewhere
+    r = bw("down", "ra", "--confirm", "ra", "--json")
+    assert r.returncode == 3 and "PROVIDER_DISAGREES" in r.stderr, r.stderr
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    assert bw("down", "ra", "--confirm", "ra", "--json").returncode == 3  # held by rb, in the right account
+    assert status_of(bw, "ra") == "meter-unproven"
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "other-account.json")
+    r = bw("down", "ra", "--confirm", "ra", "--json")  # the held box: rb answers on i-1
+    assert r.returncode == 3 and "PROVIDER_DISAGREES" in r.stderr and "rb" in r.stderr, r.stderr
+    bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+    assert status_of(bw, "ra") == "meter-unproven" and status_of(bw, "rb") == "up"
+    assert calls(tmp_path).count(["delete", "i-1"]) == 1  # only the first, proven never
