@@ -409,7 +409,15 @@ async def retry_meter(
         settled = False
         try:
             meter = await meter_step(
-                state, box, profile, result, manual_done, retry=True, send=send, also=also
+                state,
+                box,
+                profile,
+                result,
+                manual_done,
+                retry=True,
+                send=send,
+                also=also,
+                ask_host=not seen_gone,
             )
             settled = meter.gone or meter.manual_confirmed
         finally:
@@ -433,6 +441,7 @@ async def meter_step(
     send: bool,
     also: Sequence[str] = (),
     poll_first: bool | None = None,
+    ask_host: bool = False,
 ) -> MeterResult:
     """The meter stop, its step recorded before the command runs; an unproven stop leaves the box
     `meter-unproven` (the next `down` polls first). The meter is the instance's: while another box
@@ -440,13 +449,14 @@ async def meter_step(
     (MeterHeld): its next `down` asks again and sends the stop once none is left, and a stop of the
     instance that another box's teardown proves closes it. `also`: boxes the box itself says are at
     work there (another controller's too). `poll_first` (default: `retry`): ask the provider first
-    (an instance gone already needs no stop and is held by nobody)."""
+    (an instance gone already needs no stop and is held by nobody). `ask_host`: the box's host is
+    asked too before the provider's "gone" is taken (no teardown saw its sidecar end)."""
     ms = profile.meter_stop
     if (retry if poll_first is None else poll_first) and ms.mode == "argv":
         # Gone already (another box's stop, the provider's own end): nothing is sent, nothing held.
         word, said = await meterstop.provider_says(profile, box)
         if word == meterstop.GONE:
-            await _none_answers(state, box, also, said)
+            await _none_answers(state, box, also, said, ask_host=ask_host)
             result.meter = MeterResult(mode=ms.mode, verb=ms.verb, gone=True, polls=1, last_poll=said)
             result.meter.detail = f"gone: the provider's poll showed it ({said}; nothing sent again)"
             close_held(state, box, profile, result.meter)
@@ -478,12 +488,19 @@ async def meter_step(
         raise
 
 
-async def _none_answers(state: State, box: Box, also: Sequence[str], said: str) -> None:
+async def _none_answers(
+    state: State, box: Box, also: Sequence[str], said: str, *, ask_host: bool = False
+) -> None:
     """The provider says the instance is gone: refused (PROVIDER_DISAGREES) if a box on it answers
-    (this controller's box whose own sidecar answers, or one the box says runs there): the provider
-    is being asked in another account, region or context."""
+    (this controller's box whose own sidecar answers, or one the box says runs there; with
+    `ask_host`, the box's own host answering a login): the provider is being asked in another
+    account, region or context."""
     alive = [n for n in sharing_instance(state, box) if await sidecar_answers(state.get(n), own=True)]
     alive += [e for e in also if "(its sidecar runs" in e]
+    if ask_host and box.host:
+        kind, detail = await absence.host_reach(box)
+        if kind == absence.ANSWERS:
+            alive.append(f"{box.name}'s host {box.host} ({detail})")
     if alive:
         raise GateRefused(
             f"the provider says {box.instance_id} is gone ({said}) while boxes on it answer "

@@ -569,3 +569,36 @@ def test_a_provider_asked_elsewhere_is_not_taken_on_any_path(bw: Bw, tmp_path: P
     bw.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
     assert status_of(bw, "ra") == "meter-unproven" and status_of(bw, "rb") == "up"
     assert calls(tmp_path).count(["delete", "i-1"]) == 1  # only the first, proven never
+
+
+def test_a_continued_teardown_asks_the_host_before_the_providers_gone(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Twelfth review: a `down` cut after its release, the sidecar then dead on a host that stays
+    up; the `down` that continued it, asking the provider in another account, took its "not found"
+    for gone: the box was called down (and its sidecar gone) while its instance billed on."""
+    from controller.state import State
+
+    a = remote.bw
+    box = remote.boxes("h1")
+    first = remote.up(box, seeded=True)
+    write_as_box(box, "ckpt/a.bin", "weights")
+    a.wait_durable("h1", 1)
+    a.ok("pull", "h1", "--to", str(a.cwd / "p"))
+    a.ok("verify", str(a.cwd / "p"))
+    state = State(a.home)
+    try:  # a `down` cut after it asked the release
+        state.step(state.get("h1").with_(status="tearing-down"), "release", "no answer yet")
+    finally:
+        state.close()
+    assert box.run_as_box(["kill", "-9", str(first["pid"])]).returncode == 0
+    wait_until(lambda: not pid_alive(first["pid"]), what="the sidecar gone; its host stays up")
+    a.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "other-account.json")
+    try:
+        r = a("down", "h1", "--confirm", "h1", "--json", timeout=200)
+        assert r.returncode == 3 and "PROVIDER_DISAGREES" in r.stderr and "h1's host" in r.stderr, r.stderr
+    finally:
+        a.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+        _exit_master(a, box)
+    assert status_of(a, "h1") == "tearing-down"
