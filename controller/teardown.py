@@ -399,6 +399,10 @@ async def retry_meter(
         # that would only poll asks nobody; one that would send (or show) asks the box who else is
         # at work there.
         send = resend_stop or u.held_only
+        # A box proven gone (--box-gone) has no host to ask; any other, even one whose sidecar was
+        # seen gone (a dead sidecar says nothing of its instance), has its host asked before the
+        # provider's "gone" is taken.
+        proven_gone = SIDECAR_GONE in u.steps and u.steps[SIDECAR_GONE].detail == GONE_BY_WORD
         also: list[str] = []
         if send or ms.mode == "manual":
             # (a box proven gone, or one the user says is being destroyed: no link is nobody there)
@@ -417,7 +421,7 @@ async def retry_meter(
                 retry=True,
                 send=send,
                 also=also,
-                ask_host=not seen_gone,
+                ask_host=not proven_gone,
             )
             settled = meter.gone or meter.manual_confirmed
         finally:

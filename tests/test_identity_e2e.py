@@ -447,6 +447,11 @@ def test_the_meter_waits_for_another_controllers_box_on_the_instance(
         # Sixth review: bb was called down on a stop that only another controller would send; it
         # stayed unfinished, and its `down` again finds the instance gone.
         assert b.json("status", "bb")["boxes"][0]["status"] == "meter-unproven"
+        _exit_master(b, box)
+        from tests.sshbox import free_port
+        from tests.test_box_gone_e2e import point_at
+
+        point_at(box, free_port())  # the instance is gone, and its host with it
         doc = b.json("down", "bb", "--confirm", "bb")
         assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["gone"] is True, doc
     finally:

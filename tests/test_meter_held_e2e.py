@@ -400,6 +400,7 @@ def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
 ) -> None:
     """Ninth review: a stop held because the host answered but could not say offered
     `--resend-stop`, which holds there too; the way out is the provider's own stop."""
+    from tests.sshbox import free_port
     from tests.test_box_gone_e2e import dropping_sshd, point_at
     from tests.test_identity_e2e import second_controller
 
@@ -424,7 +425,7 @@ def test_a_held_stop_says_what_holds_it_and_a_way_out_that_works(
         remote.provider("vanish", "i-zz01")
         assert box.run_as_box(["kill", "-9", str(their_pid)]).returncode == 0
         wait_until(lambda: not pid_alive(their_pid), what="their sidecar gone with the instance")
-        box.config.write_text(text)
+        point_at(box, free_port())  # and its host with it
         doc = a.json("down", "a-zz01", "--confirm", "a-zz01")  # the provider first: gone, nothing held
         assert doc["teardown"]["gone"] is True and doc["teardown"]["meter"]["sent"] is False
     finally:
@@ -602,3 +603,30 @@ def test_a_continued_teardown_asks_the_host_before_the_providers_gone(
         a.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
         _exit_master(a, box)
     assert status_of(a, "h1") == "tearing-down"
+
+
+def test_an_unproven_stop_asks_the_host_before_the_providers_gone(
+    remote: Remote,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Thirteenth review: a stop sent but never proven (a slow delete), then `down` again from a shell
+    whose provider CLI asks another account: its "not found" was taken for gone while the box's host
+    answered and its instance billed on. A dead sidecar says nothing of its instance."""
+    a = remote.bw
+    box = remote.boxes("h1")
+    remote.provider("create", "i-h1", "--stuck")  # its delete never completes
+    remote.profile.write_text(remote.profile.read_text().replace("timeout_s = 30", "timeout_s = 1"))
+    remote.up(box, seeded=True)
+    write_as_box(box, "ckpt/a.bin", "weights")
+    a.wait_durable("h1", 1)
+    a.ok("pull", "h1", "--to", str(a.cwd / "p"))
+    a.ok("verify", str(a.cwd / "p"))
+    assert a("down", "h1", "--confirm", "h1", "--json", timeout=200).returncode == 1  # sent, unproven
+    a.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "other-account.json")
+    try:
+        r = a("down", "h1", "--confirm", "h1", "--json", timeout=200)
+        assert r.returncode == 3 and "PROVIDER_DISAGREES" in r.stderr and "h1's host" in r.stderr, r.stderr
+    finally:
+        a.env["FAKE_PROVIDER_STATE"] = str(tmp_path / "provider.json")
+        _exit_master(a, box)
+    assert status_of(a, "h1") == "meter-unproven"
