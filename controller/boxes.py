@@ -665,7 +665,7 @@ async def _instance_listed(prof: profiles.Profile, box: Box, old: Box | None) ->
     if word == meterstop.UNANSWERED and known:
         return [checks.Finding("warn", "provider", f"the provider could not be asked whether it lists "
                                f"{box.instance_id} ({said}); it listed it at the last `up`")]  # fmt: skip
-    what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
+    what = meterstop.unlisted(word, box)
     raise UsageError(
         f"the provider {what} ({said}): `down {box.name}` would stop and poll instance "
         f"{box.instance_id}, so it must be one the provider lists now. Check --instance-id (and the provider "

@@ -146,6 +146,11 @@ async def provider_says(profile: Profile, box: Box) -> tuple[str, str]:
     return (GONE if _shows_gone(profile, p) else LISTED), f"`{' '.join(cmds.poll)}` exit {p.code}: {said}"
 
 
+def unlisted(word: str, box: Box) -> str:
+    """What a poll that did not say LISTED says of the box's instance, in words."""
+    return "could not be asked" if word == UNANSWERED else f"does not list {box.instance_id}"
+
+
 async def stop_meter(
     profile: Profile,
     box: Box,

@@ -350,7 +350,7 @@ async def provider_lists(profile: Profile, box: Box, earlier: Unfinished | None)
     word, said = await meterstop.provider_says(profile, box)
     if word == meterstop.LISTED:
         return
-    what = "could not be asked" if word == meterstop.UNANSWERED else f"does not list {box.instance_id}"
+    what = meterstop.unlisted(word, box)
     raise GateRefused(
         f"the provider {what} ({said}) while the sidecar of {box.name} answers on it: its CLI may be pointed "
         "at another account, region or context than at `up`. Nothing was released and the meter was not "

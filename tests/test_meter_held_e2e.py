@@ -244,16 +244,22 @@ def test_down_all_reports_a_box_held_earlier_as_down_once_its_instance_stops(bw:
     assert status_of(bw, "ha") == status_of(bw, "hb") == "down" and stop_calls(tmp_path) == 1
 
 
+def pulled_on(remote: Remote, box: Box, name: str, wd: str) -> None:  # noqa: F811
+    """A checkpoint of box `name` (working dir ~/`wd`) written, durable, pulled and verified."""
+    a = remote.bw
+    write_as_box(box, f"{wd}/ckpt/{name}.bin", f"{name}'s weights")
+    a.wait_durable(name, 1)
+    a.ok("pull", name, "--to", str(a.cwd / f"p-{name}"))
+    a.ok("verify", str(a.cwd / f"p-{name}"))
+
+
 def held_by_theirs(remote: Remote, box: Box, b: Bw) -> int:  # noqa: F811
     """a-zz01 (this controller's, pulled and verified) and b-zz01 (controller `b`'s) at work on one
     instance; `down a-zz01` is held by b-zz01. The pid of b-zz01's sidecar."""
     a = remote.bw
     up_as(remote, box, "a-zz01", "--workdir", "~/ha", "--watch", "ckpt")
     theirs = up_as(remote, box, "b-zz01", "--workdir", "~/hb", "--watch", "ckpt", bw=b)
-    write_as_box(box, "ha/ckpt/a.bin", "a's weights")
-    a.wait_durable("a-zz01", 1)
-    a.ok("pull", "a-zz01", "--to", str(a.cwd / "pa"))
-    a.ok("verify", str(a.cwd / "pa"))
+    pulled_on(remote, box, "a-zz01", "ha")
     r = a("down", "a-zz01", "--confirm", "a-zz01", "--json", timeout=200)
     assert r.returncode == 3 and "METER_HELD" in r.stderr, r.stderr
     return int(theirs["pid"])
@@ -320,15 +326,9 @@ def test_a_run_of_the_same_name_and_id_on_another_instance_still_holds_the_stop(
     a = remote.bw
     b = second_controller(remote, tmp_path)
 
-    def pulled(name: str, wd: str) -> None:
-        write_as_box(box, f"{wd}/ckpt/a.bin", f"{name}'s weights")
-        a.wait_durable(name, 1)
-        a.ok("pull", name, "--to", str(a.cwd / f"p-{name}"))
-        a.ok("verify", str(a.cwd / f"p-{name}"))
-
     try:
         up_as(remote, box, "x-zz03", "--workdir", "~/wx", "--watch", "ckpt", "--run-id", "exp1")
-        pulled("x-zz03", "wx")
+        pulled_on(remote, box, "x-zz03", "wx")
         assert a("down", "x-zz03", "--confirm", "x-zz03", "--json", timeout=200).returncode == 0
         _exit_master(a, box)
         for d in (".boxwarden/boxes/x-zz03", "boxwarden/x-zz03"):  # a new machine, the same layout
@@ -338,7 +338,7 @@ def test_a_run_of_the_same_name_and_id_on_another_instance_still_holds_the_stop(
         assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
         wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
         up_as(remote, box, "y-zz04", "--workdir", "~/wy", "--watch", "ckpt")
-        pulled("y-zz04", "wy")
+        pulled_on(remote, box, "y-zz04", "wy")
         r = a("down", "y-zz04", "--confirm", "y-zz04", "--json", timeout=200)
         assert r.returncode == 3 and "x-zz03 (run exp1 never torn down" in r.stderr, r.stderr
         calls = json.loads((tmp_path / "provider.json").read_text())["calls"]
@@ -362,16 +362,10 @@ def test_another_controllers_run_in_the_boxs_own_state_dir_holds_its_stop(
     remote.provider("create", "i-zz05", "--linger", "1")
     b = second_controller(remote, tmp_path)
 
-    def pulled(name: str, wd: str) -> None:
-        write_as_box(box, f"{wd}/ckpt/{name}.bin", f"{name}'s weights")
-        a.wait_durable(name, 1)
-        a.ok("pull", name, "--to", str(a.cwd / f"p-{name}"))
-        a.ok("verify", str(a.cwd / f"p-{name}"))
-
     try:
         up_as(remote, box, "x-zz05", "--workdir", "~/wx", "--watch", "ckpt")
         up_as(remote, box, "y-zz05", "--workdir", "~/wy", "--watch", "ckpt")
-        pulled("x-zz05", "wx")
+        pulled_on(remote, box, "x-zz05", "wx")
         assert a("down", "x-zz05", "--confirm", "x-zz05", "--json", timeout=200).returncode == 3  # held by y
         theirs = up_as(remote, box, "x-zz05", "--workdir", "~/bx", "--watch", "ckpt", bw=b)
         # (tenth review: their sidecar answering at this box's socket is not this box's: still held)
@@ -381,7 +375,7 @@ def test_another_controllers_run_in_the_boxs_own_state_dir_holds_its_stop(
         assert {o["box"]: o["outcome"] for o in doc["boxes"]}["x-zz05"] == "refused", doc
         assert box.run_as_box(["kill", "-9", str(theirs["pid"])]).returncode == 0
         wait_until(lambda: not pid_alive(theirs["pid"]), what="their sidecar gone")  # their run: open
-        pulled("y-zz05", "wy")
+        pulled_on(remote, box, "y-zz05", "wy")
         assert (
             a("down", "y-zz05", "--confirm", "y-zz05", "--json", timeout=200).returncode == 3
         )  # held by theirs
